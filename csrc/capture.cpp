@@ -1,0 +1,444 @@
+#include "capture.h"
+
+#include <ATen/ATen.h>
+#include <ATen/SequenceNumber.h>
+#include <ATen/record_function.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <sstream>
+#include <unordered_set>
+
+#include <torchleaf/errors.h>
+
+namespace torchleaf {
+
+using torch::autograd::Edge;
+using torch::autograd::edge_list;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+namespace {
+
+// Stands in for the caller's graph behind each differentiable input of a
+// captured call: gradients stop here and are collected by the engine. It is
+// never executed.
+struct InputSink final : public Node {
+  InputSink() : Node(/*sequence_nr=*/UINT64_MAX) {}
+  variable_list apply(variable_list&& /*grads*/) override {
+    TORCH_INTERNAL_ASSERT(false, "torchleaf: InputSink must never run");
+  }
+  std::string name() const override {
+    return "torchleaf::InputSink";
+  }
+};
+
+// An alias of `t` whose gradient flows into a new sink, recorded in `state`.
+at::Tensor sink_alias(const at::Tensor& t, CapturedState& state) {
+  at::Tensor alias = t.detach();
+  auto sink = c10::make_intrusive<InputSink>();
+  sink->add_input_metadata(alias);
+  torch::autograd::impl::set_gradient_edge(alias, Edge(sink, 0));
+  state.input_edges.emplace_back(std::move(sink), 0);
+  state.input_meta.push_back(InputMeta{alias.sym_sizes().vec(), alias.options()});
+  return alias;
+}
+
+// Re-enables autograd for user code that runs inside a kernel below the
+// Autograd key, as the caller of the leaf had it.
+struct AutogradKeysGuard {
+  explicit AutogradKeysGuard(bool enable)
+      : guard_(enabled_keys(enable)) {}
+
+ private:
+  static c10::impl::LocalDispatchKeySet enabled_keys(bool enable) {
+    auto keys = c10::impl::tls_local_dispatch_key_set();
+    if (enable) {
+      keys.excluded_ =
+          keys.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;
+    }
+    return keys;
+  }
+  c10::impl::ForceDispatchKeyGuard guard_;
+};
+
+std::string describe(const c10::SymIntArrayRef sizes, at::ScalarType dtype) {
+  std::ostringstream ss;
+  ss << "Tensor(shape=" << sizes << ", dtype=" << dtype << ")";
+  return ss.str();
+}
+
+// Walks the captured graph from the outputs and reports every tensor that
+// requires grad but is not an input: leaves (AccumulateGrad) and nodes
+// created before the call (the caller's graph, reached through a closure).
+void check_escaped_gradients(
+    const LeafEntry& entry,
+    const CapturedState& state,
+    uint64_t first_sequence_nr) {
+  std::unordered_set<const Node*> sinks;
+  for (const auto& e : state.input_edges) {
+    sinks.insert(e.function.get());
+  }
+  std::unordered_set<const Node*> visited;
+  std::vector<Node*> stack;
+  for (const auto& e : state.output_edges) {
+    if (e.is_valid() && !sinks.count(e.function.get()) &&
+        visited.insert(e.function.get()).second) {
+      stack.push_back(e.function.get());
+    }
+  }
+  std::vector<std::string> escaped;
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    for (const auto& next : node->next_edges()) {
+      Node* fn = next.function.get();
+      if (fn == nullptr || sinks.count(fn) || !visited.insert(fn).second) {
+        continue;
+      }
+      if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fn)) {
+        escaped.push_back(describe(
+            acc->variable.sym_sizes(), acc->variable.scalar_type()));
+      } else if (fn->sequence_nr() < first_sequence_nr) {
+        const auto& meta = fn->input_metadata(next.input_nr);
+        escaped.push_back(describe(
+            meta.shape_as_dim_vector(), meta.options().dtype().toScalarType()));
+      } else {
+        stack.push_back(fn);
+      }
+    }
+  }
+  if (!escaped.empty()) {
+    std::ostringstream ss;
+    ss << "uses " << escaped.size()
+       << " tensor(s) that require grad but are not among its inputs:\n";
+    for (const auto& s : escaped) {
+      ss << "  - " << s << "\n";
+    }
+    ss << "Gradients cannot flow back to closure-captured or global tensors. "
+          "Pass them as arguments (or inside an nn.Module argument), or "
+          "detach them; to skip this check set "
+          "torchleaf.config.check_escaped_gradients = False (C++: "
+          "LeafOptions::check_escaped).";
+    detail::throw_leaf_error(entry.name, ss.str());
+  }
+}
+
+void validate_outputs(
+    const LeafEntry& entry,
+    const TensorList& inputs,
+    const TensorList& real) {
+  TensorList fake;
+  {
+    at::NoGradGuard no_grad;
+    fake = run_fake(entry, inputs);
+  }
+  TORCHLEAF_CHECK(
+      fake.size() == real.size(),
+      entry.name,
+      "returned ",
+      real.size(),
+      " tensor(s) but its fake implementation returned ",
+      fake.size(),
+      ". Make the fake return the same outputs as the real function.");
+  for (size_t i = 0; i < real.size(); ++i) {
+    const auto& r = real[i];
+    const auto& f = fake[i];
+    TORCHLEAF_CHECK(
+        r.defined() == f.defined(),
+        entry.name,
+        "output ",
+        i,
+        " is ",
+        r.defined() ? "a tensor" : "undefined",
+        " in the real function but ",
+        f.defined() ? "a tensor" : "undefined",
+        " in the fake implementation.");
+    if (!r.defined()) {
+      continue;
+    }
+    TORCHLEAF_CHECK(
+        r.sym_sizes() == f.sym_sizes(),
+        entry.name,
+        "output ",
+        i,
+        " has shape ",
+        r.sym_sizes(),
+        " but its fake implementation gives shape ",
+        f.sym_sizes(),
+        ". Fix the fake so that shapes match.");
+    TORCHLEAF_CHECK(
+        r.scalar_type() == f.scalar_type(),
+        entry.name,
+        "output ",
+        i,
+        " has dtype ",
+        r.scalar_type(),
+        " but its fake implementation gives dtype ",
+        f.scalar_type(),
+        ". Fix the fake so that dtypes match.");
+    TORCHLEAF_CHECK(
+        r.device() == f.device(),
+        entry.name,
+        "output ",
+        i,
+        " is on device ",
+        r.device(),
+        " but its fake implementation puts it on ",
+        f.device(),
+        ". Fix the fake so that devices match.");
+  }
+}
+
+} // namespace
+
+TensorList run_fake(const LeafEntry& entry, const TensorList& inputs) {
+  TORCHLEAF_CHECK(
+      static_cast<bool>(entry.fake),
+      entry.name,
+      "requires a fake implementation to be traced (torch.compile, make_fx, "
+      "torch.export, meta or fake tensors) or validated. Register one with "
+      "@",
+      entry.name,
+      ".register_fake (Python) or pass a fake LeafFn to "
+      "torchleaf::define_leaf (C++); it must return outputs with the same "
+      "structure, shapes and dtypes as the real function.");
+  TensorList outputs = entry.fake(inputs);
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    TORCHLEAF_CHECK(
+        outputs[i].defined(),
+        entry.name,
+        "fake implementation returned an undefined tensor at output ",
+        i,
+        "; it must return tensors.");
+  }
+  return outputs;
+}
+
+TensorList run_real(
+    const LeafEntry& entry,
+    const TensorList& inputs,
+    const std::vector<bool>* capture_mask,
+    std::shared_ptr<CapturedState>* state_out) {
+  RECORD_FUNCTION(entry.name, std::vector<c10::IValue>());
+  bool capture = false;
+  if (capture_mask != nullptr) {
+    TORCH_INTERNAL_ASSERT(capture_mask->size() == inputs.size());
+    for (bool b : *capture_mask) {
+      capture = capture || b;
+    }
+  }
+  std::shared_ptr<CapturedState> state;
+  if (capture) {
+    state = std::make_shared<CapturedState>();
+    state->leaf_name = entry.name;
+  }
+
+  AutogradKeysGuard keys(capture || !c10::InferenceMode::is_enabled());
+  std::optional<at::AutoGradMode> grad_mode;
+  if (capture) {
+    grad_mode.emplace(true);
+  }
+
+  // Detached aliases: the real function sees the caller's data and version
+  // counters but not the caller's graph.
+  TensorList inner;
+  inner.reserve(inputs.size());
+  c10::SmallVector<uint32_t, 8> versions;
+  versions.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const auto& t = inputs[i];
+    TORCHLEAF_CHECK(
+        t.defined(), entry.name, "received an undefined tensor at input ", i);
+    if (capture && (*capture_mask)[i]) {
+      inner.push_back(sink_alias(t, *state));
+    } else {
+      inner.push_back(t.detach());
+    }
+    versions.push_back(t._version());
+  }
+
+  const uint64_t first_sequence_nr = at::sequence_number::peek();
+  TensorList outputs;
+  try {
+    outputs = entry.real(inner);
+  } catch (c10::Error& e) {
+    if (dynamic_cast<LeafError*>(&e) == nullptr) {
+      e.add_context("while running the real function of leaf function '" +
+                    entry.name + "'");
+    }
+    throw;
+  }
+
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!entry.mutates(i)) {
+      TORCHLEAF_CHECK(
+          inputs[i]._version() == versions[i],
+          entry.name,
+          "mutated its input ",
+          i,
+          " (flattened position) in place without declaring it. Declare it "
+          "with mutates_args={...} (Python) or LeafOptions::mutates (C++), "
+          "or clone the input before changing it.");
+    }
+  }
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    TORCHLEAF_CHECK(
+        outputs[i].defined(),
+        entry.name,
+        "real function returned an undefined tensor at output ",
+        i,
+        "; it must return tensors.");
+  }
+  if (entry.validate_outputs()) {
+    validate_outputs(entry, inner, outputs);
+  }
+
+  // An operator's outputs may not alias its inputs or each other.
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    bool aliased = false;
+    for (const auto& t : inner) {
+      aliased = aliased || outputs[i].is_alias_of(t);
+    }
+    for (size_t j = 0; j < i; ++j) {
+      aliased = aliased || outputs[i].is_alias_of(outputs[j]);
+    }
+    if (aliased) {
+      outputs[i] = outputs[i].clone();
+    }
+  }
+
+  if (capture) {
+    state->output_edges.reserve(outputs.size());
+    for (const auto& out : outputs) {
+      state->output_edges.push_back(
+          out.requires_grad() ? torch::autograd::impl::gradient_edge(out)
+                              : Edge());
+    }
+    if (entry.check_escaped_gradients()) {
+      check_escaped_gradients(entry, *state, first_sequence_nr);
+    }
+    *state_out = std::move(state);
+  }
+  for (auto& out : outputs) {
+    if (out.requires_grad()) {
+      out = out.detach();
+    }
+  }
+  return outputs;
+}
+
+TensorList replay(
+    const CapturedState& state,
+    const std::vector<std::optional<at::Tensor>>& grads,
+    bool create_graph) {
+  TORCHLEAF_CHECK(
+      grads.size() == state.output_edges.size(),
+      state.leaf_name,
+      "backward received ",
+      grads.size(),
+      " gradient(s) for ",
+      state.output_edges.size(),
+      " output(s); pass exactly one gradient (or None) per output.");
+  edge_list roots;
+  variable_list root_grads;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (state.output_edges[i].is_valid() && grads[i].has_value() &&
+        grads[i]->defined()) {
+      roots.push_back(state.output_edges[i]);
+      root_grads.push_back(*grads[i]);
+    }
+  }
+  variable_list results;
+  if (!roots.empty() && !state.input_edges.empty()) {
+    results = torch::autograd::Engine::get_default_engine().execute(
+        roots,
+        root_grads,
+        /*keep_graph=*/true,
+        create_graph,
+        /*accumulate_grad=*/false,
+        state.input_edges);
+  }
+  TensorList out(state.input_edges.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (i < results.size() && results[i].defined()) {
+      out[i] = std::move(results[i]);
+    } else {
+      // The fake cannot show which inputs are used, so traced backward
+      // graphs expect a tensor for every differentiable input.
+      const auto& meta = state.input_meta[i];
+      out[i] = at::zeros_symint(meta.sizes, meta.options);
+    }
+  }
+  return out;
+}
+
+variable_list differentiable_replay(
+    const std::shared_ptr<CapturedState>& state,
+    const variable_list& grads,
+    edge_list input_next_edges) {
+  TORCH_INTERNAL_ASSERT(input_next_edges.size() == state->input_edges.size());
+  auto backward_state = std::make_shared<CapturedState>();
+  backward_state->leaf_name = state->leaf_name;
+  // Second-order gradients leave through the forward's own sinks (to the
+  // forward's inputs) and through new sinks behind the incoming gradients.
+  backward_state->input_edges = state->input_edges;
+  backward_state->input_meta = state->input_meta;
+  edge_list next_edges = std::move(input_next_edges);
+
+  std::vector<std::optional<at::Tensor>> inner_grads;
+  inner_grads.reserve(grads.size());
+  for (const auto& g : grads) {
+    if (g.defined() && g.requires_grad()) {
+      next_edges.push_back(torch::autograd::impl::gradient_edge(g));
+      inner_grads.emplace_back(sink_alias(g, *backward_state));
+    } else if (g.defined()) {
+      inner_grads.emplace_back(g.detach());
+    } else {
+      inner_grads.emplace_back(std::nullopt);
+    }
+  }
+  TensorList results;
+  {
+    at::AutoGradMode enable(true);
+    results = replay(*state, inner_grads, /*create_graph=*/true);
+  }
+  for (const auto& r : results) {
+    backward_state->output_edges.push_back(
+        r.requires_grad() ? torch::autograd::impl::gradient_edge(r) : Edge());
+  }
+  auto node = c10::make_intrusive<ReplayNode>(backward_state);
+  node->set_next_edges(std::move(next_edges));
+  variable_list out;
+  out.reserve(results.size());
+  for (auto& r : results) {
+    at::Tensor detached = r.detach();
+    torch::autograd::set_history(detached, node);
+    out.push_back(std::move(detached));
+  }
+  return out;
+}
+
+variable_list ReplayNode::apply(variable_list&& grads) {
+  TORCHLEAF_CHECK(
+      state_ != nullptr,
+      "<backward>",
+      "cannot run a higher-order backward whose graph was already released; "
+      "pass retain_graph=True to the earlier backward.");
+  if (at::GradMode::is_enabled()) {
+    edge_list edges(next_edges().begin(), next_edges().end());
+    return differentiable_replay(state_, grads, std::move(edges));
+  }
+  std::vector<std::optional<at::Tensor>> g(grads.begin(), grads.end());
+  return replay(*state_, g, /*create_graph=*/false);
+}
+
+std::string ReplayNode::name() const {
+  return "torchleaf::ReplayBackward";
+}
+
+} // namespace torchleaf

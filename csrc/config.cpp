@@ -1,0 +1,24 @@
+#include <torchleaf/config.h>
+
+#include <atomic>
+
+namespace torchleaf {
+namespace {
+std::atomic<bool> g_validate_outputs{false};
+std::atomic<bool> g_check_escaped_gradients{true};
+} // namespace
+
+bool Config::validate_outputs() {
+  return g_validate_outputs.load(std::memory_order_relaxed);
+}
+void Config::set_validate_outputs(bool enabled) {
+  g_validate_outputs.store(enabled);
+}
+bool Config::check_escaped_gradients() {
+  return g_check_escaped_gradients.load(std::memory_order_relaxed);
+}
+void Config::set_check_escaped_gradients(bool enabled) {
+  g_check_escaped_gradients.store(enabled);
+}
+
+} // namespace torchleaf

@@ -1,0 +1,162 @@
+// Autograd kernels of the torchleaf operators: pure plumbing. A differentiable
+// call becomes torchleaf::forward (below Autograd) plus a LeafBackward node
+// whose backward is exactly torchleaf::backward, so AOTAutograd records both
+// as operators and nothing per call hides in C++ autograd state.
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/library.h>
+
+#include <torchleaf/errors.h>
+
+#include "../../capture.h"
+#include "../../state.h"
+#include "../leaf_ops.h"
+
+namespace torchleaf::ops {
+
+using torch::autograd::edge_list;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+namespace {
+
+struct LeafBackward final : public Node {
+  LeafBackward(
+      const LeafEntry* entry,
+      at::Tensor state,
+      std::vector<int64_t> differentiable,
+      std::vector<c10::SymInt> input_meta)
+      : entry_(entry),
+        state_(std::move(state)),
+        differentiable_(std::move(differentiable)),
+        input_meta_(std::move(input_meta)) {}
+
+  variable_list apply(variable_list&& grads) override {
+    TORCHLEAF_CHECK(
+        state_.defined(),
+        entry_->name,
+        "cannot run backward: its autograd state was already released by an "
+        "earlier backward. Pass retain_graph=True to the first backward to "
+        "backpropagate through the same call twice.");
+    TensorList input_grads;
+    if (at::GradMode::is_enabled() && is_concrete_handle(state_)) {
+      // create_graph=True in eager mode: a differentiable replay.
+      edge_list edges;
+      edges.reserve(differentiable_.size());
+      for (auto i : differentiable_) {
+        edges.push_back(next_edge(i));
+      }
+      input_grads = differentiable_replay(
+          lookup_state(state_, entry_->name), grads, std::move(edges));
+    } else {
+      c10::List<std::optional<at::Tensor>> g;
+      g.reserve(grads.size());
+      for (auto& t : grads) {
+        g.push_back(t.defined() ? std::optional<at::Tensor>(std::move(t))
+                                : std::nullopt);
+      }
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      input_grads = ops::backward(entry_->id, state_, g, input_meta_);
+    }
+    TORCHLEAF_CHECK(
+        input_grads.size() == differentiable_.size(),
+        entry_->name,
+        "backward produced ",
+        input_grads.size(),
+        " gradient(s) for ",
+        differentiable_.size(),
+        " differentiable input(s).");
+    variable_list out(num_outputs());
+    for (size_t k = 0; k < differentiable_.size(); ++k) {
+      out[differentiable_[k]] = std::move(input_grads[k]);
+    }
+    return out;
+  }
+
+  std::string name() const override {
+    return entry_->name + "Backward";
+  }
+
+  void release_variables() override {
+    state_.reset(); // frees the captured graph unless a graph still holds it
+  }
+
+ private:
+  const LeafEntry* entry_;
+  at::Tensor state_;
+  std::vector<int64_t> differentiable_;
+  std::vector<c10::SymInt> input_meta_;
+};
+
+TensorList call_autograd_kernel(
+    int64_t leaf,
+    at::TensorList inputs,
+    at::TensorList mutated) {
+  if (auto out = call_autograd(get_leaf(leaf), inputs, mutated)) {
+    return std::move(*out);
+  }
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return ops::call(leaf, inputs, mutated);
+}
+
+} // namespace
+
+std::optional<TensorList> call_autograd(
+    const LeafEntry& entry,
+    at::TensorList inputs,
+    at::TensorList mutated) {
+  std::vector<int64_t> differentiable;
+  if (at::GradMode::is_enabled()) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (inputs[i].requires_grad()) {
+        differentiable.push_back(static_cast<int64_t>(i));
+      }
+    }
+    for (size_t i = 0; i < mutated.size(); ++i) {
+      TORCHLEAF_CHECK(
+          !mutated[i].requires_grad(),
+          entry.name,
+          "declares mutable input ",
+          i,
+          " but it requires grad; in-place mutation of differentiable inputs "
+          "is not supported. Pass a tensor that does not require grad (e.g. a "
+          "buffer) or return the new value instead.");
+    }
+  }
+  if (differentiable.empty()) {
+    return std::nullopt;
+  }
+
+  std::vector<c10::SymInt> input_meta;
+  for (auto i : differentiable) {
+    append_input_meta(input_meta, inputs[i]);
+  }
+  TensorList outputs;
+  at::Tensor state;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    std::tie(outputs, state) = ops::forward(entry.id, inputs, mutated, differentiable);
+  }
+  auto node = c10::make_intrusive<LeafBackward>(
+      &entry, std::move(state), std::move(differentiable), std::move(input_meta));
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  for (auto& out : outputs) {
+    if (torch::autograd::isDifferentiableType(out.scalar_type())) {
+      torch::autograd::set_history(out, node);
+    } else {
+      node->add_input_metadata(Node::undefined_input());
+    }
+  }
+  return outputs;
+}
+
+TORCH_LIBRARY_IMPL(torchleaf, Autograd, m) {
+  m.impl("call", &call_autograd_kernel);
+}
+
+} // namespace torchleaf::ops

@@ -1,0 +1,236 @@
+#include "leaf_ops.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <torchleaf/errors.h>
+
+#include "../capture.h"
+#include "../state.h"
+
+namespace torchleaf::ops {
+
+TensorList call(int64_t leaf, at::TensorList inputs, at::TensorList mutated) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchleaf::call", "")
+                       .typed<TensorList(int64_t, at::TensorList, at::TensorList)>();
+  return op.call(leaf, inputs, mutated);
+}
+
+std::tuple<TensorList, at::Tensor> forward(
+    int64_t leaf,
+    at::TensorList inputs,
+    at::TensorList mutated,
+    at::IntArrayRef differentiable) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("torchleaf::forward", "")
+          .typed<std::tuple<TensorList, at::Tensor>(
+              int64_t, at::TensorList, at::TensorList, at::IntArrayRef)>();
+  return op.call(leaf, inputs, mutated, differentiable);
+}
+
+TensorList backward(
+    int64_t leaf,
+    const at::Tensor& state,
+    const c10::List<std::optional<at::Tensor>>& grads,
+    c10::SymIntArrayRef input_meta) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchleaf::backward", "")
+                       .typed<TensorList(
+                           int64_t,
+                           const at::Tensor&,
+                           const c10::List<std::optional<at::Tensor>>&,
+                           c10::SymIntArrayRef)>();
+  return op.call(leaf, state, grads, input_meta);
+}
+
+FlatInputs merge_inputs(
+    const LeafEntry& entry,
+    at::TensorList inputs,
+    at::TensorList mutated) {
+  FlatInputs flat;
+  const size_t total = inputs.size() + mutated.size();
+  flat.tensors.reserve(total);
+  flat.input_positions.reserve(inputs.size());
+  const auto& declared = entry.options.mutates_inputs;
+  if (declared.empty()) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      flat.input_positions.push_back(i);
+      flat.tensors.push_back(inputs[i]);
+    }
+    flat.tensors.insert(flat.tensors.end(), mutated.begin(), mutated.end());
+    return flat;
+  }
+  TORCHLEAF_CHECK(
+      mutated.size() == declared.size(),
+      entry.name,
+      "declares ",
+      declared.size(),
+      " mutable input(s) but received ",
+      mutated.size(),
+      " in the mutated list.");
+  size_t next_input = 0;
+  size_t next_mutated = 0;
+  for (size_t pos = 0; pos < total; ++pos) {
+    if (entry.mutates(pos)) {
+      flat.tensors.push_back(mutated[next_mutated++]);
+    } else {
+      TORCHLEAF_CHECK(
+          next_input < inputs.size(),
+          entry.name,
+          "declares mutable input position ",
+          pos,
+          " beyond its ",
+          total,
+          " inputs.");
+      flat.input_positions.push_back(pos);
+      flat.tensors.push_back(inputs[next_input++]);
+    }
+  }
+  return flat;
+}
+
+void append_input_meta(std::vector<c10::SymInt>& meta, const at::Tensor& t) {
+  meta.emplace_back(static_cast<int64_t>(t.scalar_type()));
+  meta.emplace_back(static_cast<int64_t>(t.device().type()));
+  meta.emplace_back(static_cast<int64_t>(t.device().index()));
+  auto sizes = t.sym_sizes();
+  meta.emplace_back(static_cast<int64_t>(sizes.size()));
+  meta.insert(meta.end(), sizes.begin(), sizes.end());
+}
+
+TensorList call_real(
+    const LeafEntry& entry,
+    at::TensorList inputs,
+    at::TensorList mutated) {
+  return run_real(entry, merge_inputs(entry, inputs, mutated).tensors);
+}
+
+TensorList call_fake(
+    const LeafEntry& entry,
+    at::TensorList inputs,
+    at::TensorList mutated) {
+  return run_fake(entry, merge_inputs(entry, inputs, mutated).tensors);
+}
+
+namespace {
+
+std::vector<bool> capture_mask(
+    const LeafEntry& entry,
+    const FlatInputs& flat,
+    at::IntArrayRef differentiable) {
+  std::vector<bool> mask(flat.tensors.size(), false);
+  for (int64_t i : differentiable) {
+    TORCHLEAF_CHECK(
+        i >= 0 && static_cast<size_t>(i) < flat.input_positions.size(),
+        entry.name,
+        "differentiable input index ",
+        i,
+        " is out of range for ",
+        flat.input_positions.size(),
+        " inputs.");
+    mask[flat.input_positions[i]] = true;
+  }
+  return mask;
+}
+
+TensorList call_kernel(int64_t leaf, at::TensorList inputs, at::TensorList mutated) {
+  return call_real(get_leaf(leaf), inputs, mutated);
+}
+
+TensorList call_meta(int64_t leaf, at::TensorList inputs, at::TensorList mutated) {
+  return call_fake(get_leaf(leaf), inputs, mutated);
+}
+
+std::tuple<TensorList, at::Tensor> forward_kernel(
+    int64_t leaf,
+    at::TensorList inputs,
+    at::TensorList mutated,
+    at::IntArrayRef differentiable) {
+  const auto& entry = get_leaf(leaf);
+  auto flat = merge_inputs(entry, inputs, mutated);
+  auto mask = capture_mask(entry, flat, differentiable);
+  std::shared_ptr<CapturedState> state;
+  TensorList outputs = run_real(entry, flat.tensors, &mask, &state);
+  if (state == nullptr) { // nothing differentiable: an empty graph
+    state = std::make_shared<CapturedState>();
+    state->leaf_name = entry.name;
+    state->output_edges.resize(outputs.size());
+  }
+  return {std::move(outputs), make_state_handle(std::move(state))};
+}
+
+std::tuple<TensorList, at::Tensor> forward_meta(
+    int64_t leaf,
+    at::TensorList inputs,
+    at::TensorList mutated,
+    at::IntArrayRef /*differentiable*/) {
+  return {call_meta(leaf, inputs, mutated),
+          at::empty({}, at::TensorOptions().dtype(at::kLong).device(at::kMeta))};
+}
+
+std::vector<std::optional<at::Tensor>> to_vector(
+    const c10::List<std::optional<at::Tensor>>& grads) {
+  std::vector<std::optional<at::Tensor>> out;
+  out.reserve(grads.size());
+  for (const auto& g : grads) {
+    out.push_back(g);
+  }
+  return out;
+}
+
+TensorList backward_kernel(
+    int64_t leaf,
+    const at::Tensor& state,
+    const c10::List<std::optional<at::Tensor>>& grads,
+    c10::SymIntArrayRef /*input_meta*/) {
+  const auto& entry = get_leaf(leaf);
+  auto captured = lookup_state(state, entry.name);
+  return replay(*captured, to_vector(grads), /*create_graph=*/false);
+}
+
+TensorList backward_meta(
+    int64_t /*leaf*/,
+    const at::Tensor& /*state*/,
+    const c10::List<std::optional<at::Tensor>>& /*grads*/,
+    c10::SymIntArrayRef input_meta) {
+  TensorList out;
+  size_t i = 0;
+  while (i < input_meta.size()) {
+    auto dtype = static_cast<at::ScalarType>(input_meta[i].expect_int());
+    const auto ndim = input_meta[i + 3].expect_int();
+    std::vector<c10::SymInt> sizes(
+        input_meta.begin() + i + 4, input_meta.begin() + i + 4 + ndim);
+    out.push_back(at::empty_symint(
+        sizes, at::TensorOptions().dtype(dtype).device(at::kMeta)));
+    i += 4 + ndim;
+  }
+  return out;
+}
+
+} // namespace
+
+TORCH_LIBRARY(torchleaf, m) {
+  m.def("call(int leaf, Tensor[] inputs, Tensor(a!)[] mutated) -> Tensor[]");
+  m.def(
+      "forward(int leaf, Tensor[] inputs, Tensor(a!)[] mutated, "
+      "int[] differentiable) -> (Tensor[], Tensor)");
+  m.def(
+      "backward(int leaf, Tensor state, Tensor?[] grads, SymInt[] input_meta) "
+      "-> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(torchleaf, CompositeExplicitAutograd, m) {
+  m.impl("call", &call_kernel);
+  m.impl("forward", &forward_kernel);
+  m.impl("backward", &backward_kernel);
+}
+
+TORCH_LIBRARY_IMPL(torchleaf, Meta, m) {
+  m.impl("call", &call_meta);
+  m.impl("forward", &forward_meta);
+  m.impl("backward", &backward_meta);
+}
+
+} // namespace torchleaf::ops

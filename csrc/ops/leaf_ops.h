@@ -1,0 +1,77 @@
+#pragma once
+
+// The torchleaf operators. Schemas are defined once, in leaf_ops.cpp:
+//
+//   torchleaf::call(int leaf, Tensor[] inputs, Tensor(a!)[] mutated) -> Tensor[]
+//       Runs a leaf. Its Autograd kernel turns a differentiable call into
+//       `forward` plus an autograd node whose backward is `backward`.
+//   torchleaf::forward(int leaf, Tensor[] inputs, Tensor(a!)[] mutated,
+//                      int[] differentiable) -> (Tensor[], Tensor)
+//       Runs a leaf and captures its autograd graph for the inputs listed in
+//       `differentiable`; the second output is the state handle.
+//   torchleaf::backward(int leaf, Tensor state, Tensor?[] grads,
+//                       SymInt[] input_meta) -> Tensor[]
+//       Replays a captured graph: one gradient per differentiable input.
+//
+// C++ leaves also own a named operator `ns::name(Tensor[] inputs
+// [, Tensor(a!)[] mutated]) -> Tensor[]` with the same kernels as `call`.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/List.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <tuple>
+
+#include "../registry.h"
+
+namespace torchleaf::ops {
+
+// Calls through the dispatcher (all keys).
+TensorList call(int64_t leaf, at::TensorList inputs, at::TensorList mutated);
+std::tuple<TensorList, at::Tensor> forward(
+    int64_t leaf,
+    at::TensorList inputs,
+    at::TensorList mutated,
+    at::IntArrayRef differentiable);
+TensorList backward(
+    int64_t leaf,
+    const at::Tensor& state,
+    const c10::List<std::optional<at::Tensor>>& grads,
+    c10::SymIntArrayRef input_meta);
+
+// The flat input list the leaf's functions see: `inputs` and `mutated`
+// merged back into the leaf's declared order (C++ leaves) or concatenated
+// (Python leaves, whose wrapper orders mutated tensors last).
+struct FlatInputs {
+  TensorList tensors;
+  // Position in `tensors` of every entry of `inputs`.
+  std::vector<size_t> input_positions;
+};
+FlatInputs merge_inputs(
+    const LeafEntry& entry,
+    at::TensorList inputs,
+    at::TensorList mutated);
+
+// Kernels shared by `call` and the named operators.
+TensorList call_real(
+    const LeafEntry& entry,
+    at::TensorList inputs,
+    at::TensorList mutated);
+TensorList call_fake(
+    const LeafEntry& entry,
+    at::TensorList inputs,
+    at::TensorList mutated);
+
+// The Autograd kernel's work for any leaf operator. Returns nullopt when no
+// gradient is needed: the caller then redispatches below Autograd.
+std::optional<TensorList> call_autograd(
+    const LeafEntry& entry,
+    at::TensorList inputs,
+    at::TensorList mutated);
+
+// Encoding of differentiable inputs' metadata for `backward`'s fake kernel:
+// per input [dtype, device type, device index, ndim, sizes...].
+void append_input_meta(std::vector<c10::SymInt>& meta, const at::Tensor& t);
+
+} // namespace torchleaf::ops

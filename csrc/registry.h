@@ -1,0 +1,47 @@
+#pragma once
+
+#include <torch/library.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torchleaf/leaf.h>
+
+namespace torchleaf {
+
+// Everything torchleaf knows about one leaf function. Entries are created once
+// and never destroyed (ids are baked into traced graphs), so kernels may keep
+// plain pointers to them.
+struct LeafEntry {
+  int64_t id = -1;
+  // "ns::name" for C++ leaves; the Python qualname for Python leaves.
+  std::string name;
+  LeafFn real;
+  LeafFn fake;
+  LeafOptions options;
+  // True when the leaf owns a named operator `name` (C++ leaves). Python
+  // leaves go through the generic torchleaf::call operator.
+  bool has_named_op = false;
+  // The operator fragment that defines the named operator; kept alive so the
+  // registration stays in place.
+  std::unique_ptr<torch::Library> library;
+
+  bool validate_outputs() const;
+  bool check_escaped_gradients() const;
+  bool mutates(size_t flat_position) const;
+};
+
+// Registers a new entry and returns it; the id is assigned here.
+LeafEntry& register_leaf(std::unique_ptr<LeafEntry> entry);
+
+// The entry for `id`; a clear error when there is none.
+const LeafEntry& get_leaf(int64_t id);
+
+// The entry whose name is `name`, or nullptr.
+const LeafEntry* find_leaf_entry(const std::string& name);
+
+// Ids of all leaves that own a named operator, in definition order.
+std::vector<int64_t> named_leaf_ids();
+
+} // namespace torchleaf

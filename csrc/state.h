@@ -1,0 +1,46 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torchleaf {
+
+// Metadata of one differentiable input, enough to build a zero gradient.
+struct InputMeta {
+  std::vector<c10::SymInt> sizes;
+  at::TensorOptions options;
+};
+
+// The autograd graph that one call of a real function built, reduced to what
+// backward needs: where gradients enter (one edge per output) and where they
+// leave (one edge per differentiable input). Holding the output edges keeps
+// the graph and its saved tensors alive; nothing else refers to it.
+struct CapturedState {
+  std::string leaf_name;
+  std::vector<torch::autograd::Edge> output_edges; // invalid: no gradient
+  std::vector<torch::autograd::Edge> input_edges;
+  std::vector<InputMeta> input_meta; // parallel to input_edges
+};
+
+// Registers `state` and returns its handle: a 0-dim int64 CPU tensor whose
+// value names the state. The state is released when the handle's storage is
+// freed, so it lives exactly as long as the autograd graph that saved it.
+at::Tensor make_state_handle(std::shared_ptr<CapturedState> state);
+
+// The state named by `handle`; a clear error naming `leaf_name` when it was
+// released already.
+std::shared_ptr<CapturedState> lookup_state(
+    const at::Tensor& handle,
+    const std::string& leaf_name);
+
+// True for a handle that holds a real value (not a fake, meta or functional
+// tensor seen while tracing).
+bool is_concrete_handle(const at::Tensor& handle);
+
+int64_t live_state_count();
+
+} // namespace torchleaf

@@ -1,0 +1,82 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torchleaf/export.h>
+
+namespace torchleaf {
+
+using TensorList = std::vector<at::Tensor>;
+
+// A leaf implementation: a function from a list of tensors to a list of
+// tensors. The real implementation may do anything (data-dependent control
+// flow, logging, other libraries); the fake implementation must only compute
+// output metadata and is called on meta or fake tensors by tracers.
+using LeafFn = std::function<TensorList(const TensorList&)>;
+
+struct TORCHLEAF_API LeafOptions {
+  // Positions in the input list that the real implementation may mutate in
+  // place. Any other in-place mutation of an input is an error.
+  std::vector<int64_t> mutates_inputs;
+  // Per-leaf override of Config::validate_outputs().
+  std::optional<bool> validate_outputs;
+  // Per-leaf override of Config::check_escaped_gradients().
+  std::optional<bool> check_escaped_gradients;
+
+  LeafOptions& mutates(std::vector<int64_t> positions) {
+    mutates_inputs = std::move(positions);
+    return *this;
+  }
+  LeafOptions& validate(bool enabled) {
+    validate_outputs = enabled;
+    return *this;
+  }
+  LeafOptions& check_escaped(bool enabled) {
+    check_escaped_gradients = enabled;
+    return *this;
+  }
+};
+
+struct LeafEntry;
+
+// A defined leaf function. Calling it goes through the PyTorch dispatcher as
+// the operator `namespace::name`, so tracers see one opaque node and autograd
+// replays the real function's own graph in backward.
+class TORCHLEAF_API LeafFunction {
+ public:
+  explicit LeafFunction(const LeafEntry* entry) : entry_(entry) {}
+
+  TensorList operator()(const TensorList& inputs) const;
+
+  int64_t id() const;
+  // The qualified operator name, "namespace::name".
+  const std::string& name() const;
+
+ private:
+  const LeafEntry* entry_;
+};
+
+// Defines a leaf function as the operator `qualified_name` ("ns::name",
+// both parts identifiers). `fake` may be empty: tracers then fail with a
+// "requires a fake implementation" error, eager calls work.
+TORCHLEAF_API LeafFunction define_leaf(
+    const std::string& qualified_name,
+    LeafFn real,
+    LeafFn fake = nullptr,
+    LeafOptions options = {});
+
+// The leaf defined as `qualified_name`, if any.
+TORCHLEAF_API std::optional<LeafFunction> find_leaf(
+    const std::string& qualified_name);
+
+// Number of captured autograd states alive now (one per differentiable call
+// whose graph has not been released yet).
+TORCHLEAF_API int64_t live_states();
+
+} // namespace torchleaf

@@ -1,0 +1,163 @@
+// Autograd through C++ leaves: values and gradients against the plain body,
+// per-invocation state, retain_graph, double backward and state lifetimes.
+#include "test_util.h"
+
+#include <torch/csrc/autograd/generated/variable_factories.h>
+
+using torchleaf::TensorList;
+
+namespace {
+
+TensorList body(const TensorList& in) {
+  // Elementwise, a matmul and a reduction; two outputs.
+  auto h = torch::tanh(in[0].matmul(in[1])) * in[0].sum();
+  return {h, (h * h).sum(1)};
+}
+
+torchleaf::LeafFunction body_leaf() {
+  static auto leaf = torchleaf::define_leaf(
+      unique_name("body"), body, [](const TensorList& in) {
+        auto h = at::empty({in[0].size(0), in[1].size(1)}, in[0].options());
+        return TensorList{h, at::empty({in[0].size(0)}, in[0].options())};
+      });
+  return leaf;
+}
+
+TensorList grads_of(const TensorList& outs, const TensorList& inputs, bool create_graph = false) {
+  auto loss = outs[0].sin().sum() + outs[1].pow(2).sum();
+  return torch::autograd::grad({loss}, inputs, {}, /*retain_graph=*/create_graph, create_graph);
+}
+
+} // namespace
+
+TEST(Autograd, GradientsMatchTheBody) {
+  auto x = torch::randn({3, 4}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto w = torch::randn({4, 5}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto expected = grads_of(body({x, w}), {x, w});
+  auto got = grads_of(body_leaf()({x, w}), {x, w});
+  EXPECT_TRUE(torch::allclose(got[0], expected[0]));
+  EXPECT_TRUE(torch::allclose(got[1], expected[1]));
+  EXPECT_EQ(torchleaf::live_states(), 0);
+}
+
+TEST(Autograd, GradcheckAndGradgradcheckStyleSecondOrder) {
+  // Second derivatives through create_graph=True equal the body's.
+  auto x = torch::randn({3, 4}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto w = torch::randn({4, 5}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto g_ref = grads_of(body({x, w}), {x, w}, /*create_graph=*/true);
+  auto gg_ref = torch::autograd::grad({(g_ref[0] * g_ref[0]).sum() + g_ref[1].sum()}, {x, w});
+  auto g = grads_of(body_leaf()({x, w}), {x, w}, /*create_graph=*/true);
+  auto gg = torch::autograd::grad({(g[0] * g[0]).sum() + g[1].sum()}, {x, w});
+  EXPECT_TRUE(torch::allclose(g[0], g_ref[0]));
+  EXPECT_TRUE(torch::allclose(gg[0], gg_ref[0]));
+  EXPECT_TRUE(torch::allclose(gg[1], gg_ref[1]));
+}
+
+TEST(Autograd, TwoForwardsInFlightKeepTheirOwnState) {
+  auto leaf = body_leaf();
+  auto w = torch::randn({4, 5}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto x1 = torch::randn({3, 4}, torch::kDouble);
+  auto x2 = torch::randn({3, 4}, torch::kDouble);
+  auto o1 = leaf({x1, w});
+  auto o2 = leaf({x2, w});
+  EXPECT_EQ(torchleaf::live_states(), 2);
+  (o1[0].sum() + o1[1].sum()).backward();
+  auto g1 = w.grad().clone();
+  (o2[0].sum() + o2[1].sum()).backward();
+  auto g2 = w.grad() - g1;
+  EXPECT_EQ(torchleaf::live_states(), 0);
+
+  auto wr = w.detach().clone().requires_grad_(true);
+  auto r1 = body({x1, wr});
+  (r1[0].sum() + r1[1].sum()).backward();
+  auto e1 = wr.grad().clone();
+  auto r2 = body({x2, wr});
+  (r2[0].sum() + r2[1].sum()).backward();
+  EXPECT_TRUE(torch::allclose(g1, e1));
+  EXPECT_TRUE(torch::allclose(g2, wr.grad() - e1));
+}
+
+TEST(Autograd, RetainGraphAccumulatesAndReleasedStateIsAClearError) {
+  auto leaf = body_leaf();
+  auto x = torch::randn({3, 4}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto w = torch::randn({4, 5}, torch::kDouble);
+  auto out = leaf({x, w});
+  auto loss = out[0].sum();
+  loss.backward({}, /*retain_graph=*/true);
+  auto once = x.grad().clone();
+  loss.backward();
+  EXPECT_TRUE(torch::allclose(x.grad(), 2 * once));
+  EXPECT_EQ(torchleaf::live_states(), 0);
+  EXPECT_THROW_WITH(loss.backward(), "already released");
+}
+
+TEST(Autograd, UnusedInputGetsZerosAndIntegerOutputsAreNotDifferentiable) {
+  auto leaf = torchleaf::define_leaf(
+      unique_name("partial"),
+      [](const TensorList& in) {
+        return TensorList{in[0] * 2, in[0].argmax(), torch::ones({2}, in[0].options())};
+      },
+      [](const TensorList& in) {
+        return TensorList{at::empty_like(in[0]), at::empty({}, in[0].options().dtype(at::kLong)),
+                          at::empty({2}, in[0].options())};
+      });
+  auto x = torch::randn({3}, torch::requires_grad(true));
+  auto unused = torch::randn({2, 2}, torch::requires_grad(true));
+  auto out = leaf({x, unused});
+  EXPECT_FALSE(out[1].requires_grad());
+  auto g = torch::autograd::grad({out[0].sum() + out[2].sum()}, {x, unused});
+  EXPECT_TRUE(torch::allclose(g[0], torch::full({3}, 2.0)));
+  ASSERT_TRUE(g[1].defined());
+  EXPECT_TRUE(torch::equal(g[1], torch::zeros({2, 2})));
+}
+
+TEST(Autograd, StateIsReleasedWithTheGraphEvenWithoutBackward) {
+  auto leaf = body_leaf();
+  auto x = torch::randn({3, 4}, torch::requires_grad(true));
+  auto w = torch::randn({4, 5});
+  const auto before = torchleaf::live_states();
+  {
+    auto out = leaf({x, w});
+    EXPECT_EQ(torchleaf::live_states(), before + 1);
+  }
+  EXPECT_EQ(torchleaf::live_states(), before);
+  for (int i = 0; i < 2000; ++i) {
+    auto out = leaf({x, w});
+    if (i % 2 == 0) {
+      out[0].sum().backward();
+    }
+  }
+  EXPECT_EQ(torchleaf::live_states(), before);
+}
+
+TEST(Autograd, EscapedGradientsAreReportedOrIgnored) {
+  auto closure = torch::randn({3}, torch::requires_grad(true));
+  const auto name = unique_name("escapes");
+  auto leaf = torchleaf::define_leaf(
+      name,
+      [closure](const TensorList& in) { return TensorList{in[0] * closure}; },
+      [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; });
+  auto x = torch::randn({3}, torch::requires_grad(true));
+  EXPECT_THROW_WITH(leaf({x}), "uses 1 tensor(s) that require grad but are not among its inputs");
+  EXPECT_EQ(torchleaf::live_states(), 0);
+
+  auto lax = torchleaf::define_leaf(
+      unique_name("escapes_ok"),
+      [closure](const TensorList& in) { return TensorList{in[0] * closure}; },
+      [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; },
+      torchleaf::LeafOptions().check_escaped(false));
+  auto out = lax({x});
+  out[0].sum().backward();
+  EXPECT_TRUE(torch::allclose(x.grad(), closure.detach()));
+  EXPECT_FALSE(closure.grad().defined()); // not computed, as documented
+}
+
+TEST(Autograd, CallerUnderNoGradGetsNoGraph) {
+  auto leaf = body_leaf();
+  auto x = torch::randn({3, 4}, torch::requires_grad(true));
+  auto w = torch::randn({4, 5});
+  torch::NoGradGuard no_grad;
+  auto out = leaf({x, w});
+  EXPECT_FALSE(out[0].requires_grad());
+  EXPECT_EQ(torchleaf::live_states(), 0);
+}

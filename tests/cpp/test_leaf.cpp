@@ -1,0 +1,161 @@
+// Defining and calling C++ leaf functions: values, the dispatcher path, fake
+// implementations and declared mutation.
+#include "test_util.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+using torchleaf::TensorList;
+
+TEST(Leaf, EagerCallMatchesBodyAndRunsOnce) {
+  int real_calls = 0;
+  auto leaf = torchleaf::define_leaf(
+      unique_name("affine"),
+      [&](const TensorList& in) {
+        ++real_calls;
+        // Data-dependent control flow is fine in a real implementation.
+        if (in[0].sum().item<double>() > 0) {
+          return TensorList{in[0] * 2 + in[1]};
+        }
+        return TensorList{in[0] - in[1]};
+      },
+      [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; });
+  auto x = torch::rand({5}) + 0.1;
+  auto y = torch::randn({5});
+  auto out = leaf({x, y});
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_TRUE(torch::allclose(out[0], x * 2 + y));
+  EXPECT_EQ(real_calls, 1);
+  out = leaf({-x, y});
+  EXPECT_TRUE(torch::allclose(out[0], -x - y));
+  EXPECT_EQ(real_calls, 2);
+}
+
+TEST(Leaf, IsANamedOperator) {
+  const auto name = unique_name("named");
+  auto leaf = torchleaf::define_leaf(
+      name,
+      [](const TensorList& in) { return TensorList{in[0] + 1}; },
+      [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; });
+  auto op = c10::Dispatcher::singleton().findSchema({name, ""});
+  ASSERT_TRUE(op.has_value());
+  EXPECT_EQ(leaf.name(), name);
+  // Called through the dispatcher directly, by name.
+  auto out = op->typed<TensorList(at::TensorList)>().call({torch::ones({2})});
+  EXPECT_TRUE(torch::allclose(out[0], torch::full({2}, 2.0)));
+  ASSERT_TRUE(torchleaf::find_leaf(name).has_value());
+  EXPECT_EQ(torchleaf::find_leaf(name)->id(), leaf.id());
+  EXPECT_FALSE(torchleaf::find_leaf("cpptest::never_defined").has_value());
+}
+
+TEST(Leaf, MetaTensorsRunTheFakeNeverTheReal) {
+  int real_calls = 0, fake_calls = 0;
+  auto leaf = torchleaf::define_leaf(
+      unique_name("meta"),
+      [&](const TensorList& in) {
+        ++real_calls;
+        return TensorList{in[0].sum(0)};
+      },
+      [&](const TensorList& in) {
+        ++fake_calls;
+        return TensorList{at::empty({in[0].size(1)}, in[0].options())};
+      });
+  auto x = torch::empty({3, 4}, torch::device(torch::kMeta));
+  auto out = leaf({x});
+  EXPECT_TRUE(out[0].is_meta());
+  EXPECT_EQ(out[0].sizes(), c10::IntArrayRef({4}));
+  EXPECT_EQ(real_calls, 0);
+  EXPECT_EQ(fake_calls, 1);
+  // Also with inputs that require grad (through torchleaf::forward's Meta kernel).
+  auto xr = torch::empty({3, 4}, torch::device(torch::kMeta).requires_grad(true));
+  out = leaf({xr});
+  EXPECT_TRUE(out[0].requires_grad());
+  EXPECT_EQ(real_calls, 0);
+  EXPECT_EQ(fake_calls, 2);
+}
+
+TEST(Leaf, MissingFakeIsAClearErrorOnlyWhenNeeded) {
+  const auto name = unique_name("nofake");
+  auto leaf = torchleaf::define_leaf(
+      name, [](const TensorList& in) { return TensorList{in[0] * 3}; });
+  EXPECT_TRUE(torch::allclose(leaf({torch::ones({2})})[0], torch::full({2}, 3.0)));
+  EXPECT_THROW_WITH(
+      leaf({torch::empty({2}, torch::device(torch::kMeta))}),
+      "'" + name + "' requires a fake implementation");
+}
+
+TEST(Leaf, DeclaredMutationIsVisibleUndeclaredIsAnError) {
+  auto counter = torchleaf::define_leaf(
+      unique_name("count"),
+      [](const TensorList& in) {
+        in[1].add_(1); // declared below
+        return TensorList{in[0] * 2};
+      },
+      [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; },
+      torchleaf::LeafOptions().mutates({1}));
+  auto buf = torch::zeros({1});
+  auto x = torch::ones({3});
+  auto out = counter({x, buf});
+  EXPECT_TRUE(torch::allclose(out[0], x * 2));
+  EXPECT_EQ(buf.item<float>(), 1.0f);
+  counter({x, buf});
+  EXPECT_EQ(buf.item<float>(), 2.0f);
+
+  const auto name = unique_name("sneaky");
+  auto sneaky = torchleaf::define_leaf(
+      name,
+      [](const TensorList& in) {
+        in[0].mul_(2);
+        return TensorList{in[0] + 1};
+      },
+      [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; });
+  EXPECT_THROW_WITH(sneaky({torch::ones({2})}), "mutated its input 0");
+}
+
+TEST(Leaf, OutputValidationNamesTheDifference) {
+  const auto name = unique_name("validated");
+  auto leaf = torchleaf::define_leaf(
+      name,
+      [](const TensorList& in) { return TensorList{in[0].sum(0)}; },
+      [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; },
+      torchleaf::LeafOptions().validate(true));
+  EXPECT_THROW_WITH(leaf({torch::ones({2, 3})}), "has shape [3] but its fake implementation gives shape [2, 3]");
+
+  auto dtype_leaf = torchleaf::define_leaf(
+      unique_name("dtype"),
+      [](const TensorList& in) { return TensorList{in[0].to(torch::kDouble)}; },
+      [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; },
+      torchleaf::LeafOptions().validate(true));
+  EXPECT_THROW_WITH(dtype_leaf({torch::ones({2})}), "has dtype Double but its fake implementation gives dtype Float");
+
+  auto count_leaf = torchleaf::define_leaf(
+      unique_name("count"),
+      [](const TensorList& in) { return TensorList{in[0] + 1, in[0] - 1}; },
+      [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; },
+      torchleaf::LeafOptions().validate(true));
+  EXPECT_THROW_WITH(count_leaf({torch::ones({2})}), "returned 2 tensor(s) but its fake implementation returned 1");
+
+  // Validation off (the default): the mismatch is not looked for.
+  auto lax = torchleaf::define_leaf(
+      unique_name("lax"),
+      [](const TensorList& in) { return TensorList{in[0].sum(0)}; },
+      [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; });
+  EXPECT_EQ(lax({torch::ones({2, 3})})[0].dim(), 1);
+  // The global switch turns it on for leaves without their own setting.
+  torchleaf::Config::set_validate_outputs(true);
+  EXPECT_THROW_WITH(lax({torch::ones({2, 3})}), "has shape [3]");
+  torchleaf::Config::set_validate_outputs(false);
+}
+
+TEST(Leaf, OutputsNeverAliasInputs) {
+  auto identity = torchleaf::define_leaf(
+      unique_name("identity"),
+      [](const TensorList& in) { return TensorList{in[0], in[0].view({-1})}; },
+      [](const TensorList& in) {
+        return TensorList{at::empty_like(in[0]), at::empty({in[0].numel()}, in[0].options())};
+      });
+  auto x = torch::ones({2, 2});
+  auto out = identity({x});
+  EXPECT_FALSE(out[0].is_alias_of(x));
+  EXPECT_FALSE(out[1].is_alias_of(x));
+  EXPECT_TRUE(torch::equal(out[0], x));
+}
