@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include <torchleaf/export.h>
 #include <torchleaf/leaf.h>
 
 namespace torchleaf {
@@ -13,7 +14,7 @@ namespace torchleaf {
 // Everything torchleaf knows about one leaf function. Entries are created once
 // and never destroyed (ids are baked into traced graphs), so kernels may keep
 // plain pointers to them.
-struct LeafEntry {
+struct TORCHLEAF_API LeafEntry {
   int64_t id = -1;
   // "ns::name" for C++ leaves; the Python qualname for Python leaves.
   std::string name;
@@ -32,16 +33,18 @@ struct LeafEntry {
   bool mutates(size_t flat_position) const;
 };
 
+// Internal API, exported for the Python bindings.
+
 // Registers a new entry and returns it; the id is assigned here.
-LeafEntry& register_leaf(std::unique_ptr<LeafEntry> entry);
+TORCHLEAF_API LeafEntry& register_leaf(std::unique_ptr<LeafEntry> entry);
 
 // The entry for `id`; a clear error when there is none.
-const LeafEntry& get_leaf(int64_t id);
+TORCHLEAF_API const LeafEntry& get_leaf(int64_t id);
 
 // The entry whose name is `name`, or nullptr.
-const LeafEntry* find_leaf_entry(const std::string& name);
+TORCHLEAF_API const LeafEntry* find_leaf_entry(const std::string& name);
 
 // Ids of all leaves that own a named operator, in definition order.
-std::vector<int64_t> named_leaf_ids();
+TORCHLEAF_API std::vector<int64_t> named_leaf_ids();
 
 } // namespace torchleaf

@@ -1,6 +1,7 @@
 #include "leaf_ops.h"
 
 #include <ATen/ATen.h>
+#include <ATen/FunctionalTensorWrapper.h>
 #include <torch/library.h>
 
 #include <torchleaf/errors.h>
@@ -11,8 +12,14 @@
 namespace torchleaf::ops {
 
 TensorList call(int64_t leaf, at::TensorList inputs, at::TensorList mutated) {
+  if (mutated.empty()) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("torchleaf::call", "")
+                         .typed<TensorList(int64_t, at::TensorList)>();
+    return op.call(leaf, inputs);
+  }
   static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("torchleaf::call", "")
+                       .findSchemaOrThrow("torchleaf::call_mutating", "")
                        .typed<TensorList(int64_t, at::TensorList, at::TensorList)>();
   return op.call(leaf, inputs, mutated);
 }
@@ -22,11 +29,18 @@ std::tuple<TensorList, at::Tensor> forward(
     at::TensorList inputs,
     at::TensorList mutated,
     at::IntArrayRef differentiable) {
+  using Result = std::tuple<TensorList, at::Tensor>;
+  if (mutated.empty()) {
+    static auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("torchleaf::forward", "")
+            .typed<Result(int64_t, at::TensorList, at::IntArrayRef)>();
+    return op.call(leaf, inputs, differentiable);
+  }
   static auto op =
       c10::Dispatcher::singleton()
-          .findSchemaOrThrow("torchleaf::forward", "")
-          .typed<std::tuple<TensorList, at::Tensor>(
-              int64_t, at::TensorList, at::TensorList, at::IntArrayRef)>();
+          .findSchemaOrThrow("torchleaf::forward_mutating", "")
+          .typed<Result(int64_t, at::TensorList, at::TensorList, at::IntArrayRef)>();
   return op.call(leaf, inputs, mutated, differentiable);
 }
 
@@ -135,15 +149,23 @@ std::vector<bool> capture_mask(
   return mask;
 }
 
-TensorList call_kernel(int64_t leaf, at::TensorList inputs, at::TensorList mutated) {
+TensorList call_mutating_kernel(int64_t leaf, at::TensorList inputs, at::TensorList mutated) {
   return call_real(get_leaf(leaf), inputs, mutated);
 }
 
-TensorList call_meta(int64_t leaf, at::TensorList inputs, at::TensorList mutated) {
+TensorList call_kernel(int64_t leaf, at::TensorList inputs) {
+  return call_mutating_kernel(leaf, inputs, {});
+}
+
+TensorList call_mutating_meta(int64_t leaf, at::TensorList inputs, at::TensorList mutated) {
   return call_fake(get_leaf(leaf), inputs, mutated);
 }
 
-std::tuple<TensorList, at::Tensor> forward_kernel(
+TensorList call_meta(int64_t leaf, at::TensorList inputs) {
+  return call_mutating_meta(leaf, inputs, {});
+}
+
+std::tuple<TensorList, at::Tensor> forward_mutating_kernel(
     int64_t leaf,
     at::TensorList inputs,
     at::TensorList mutated,
@@ -161,13 +183,27 @@ std::tuple<TensorList, at::Tensor> forward_kernel(
   return {std::move(outputs), make_state_handle(std::move(state))};
 }
 
-std::tuple<TensorList, at::Tensor> forward_meta(
+std::tuple<TensorList, at::Tensor> forward_kernel(
+    int64_t leaf,
+    at::TensorList inputs,
+    at::IntArrayRef differentiable) {
+  return forward_mutating_kernel(leaf, inputs, {}, differentiable);
+}
+
+std::tuple<TensorList, at::Tensor> forward_mutating_meta(
     int64_t leaf,
     at::TensorList inputs,
     at::TensorList mutated,
     at::IntArrayRef /*differentiable*/) {
-  return {call_meta(leaf, inputs, mutated),
+  return {call_mutating_meta(leaf, inputs, mutated),
           at::empty({}, at::TensorOptions().dtype(at::kLong).device(at::kMeta))};
+}
+
+std::tuple<TensorList, at::Tensor> forward_meta(
+    int64_t leaf,
+    at::TensorList inputs,
+    at::IntArrayRef differentiable) {
+  return forward_mutating_meta(leaf, inputs, {}, differentiable);
 }
 
 std::vector<std::optional<at::Tensor>> to_vector(
@@ -209,12 +245,81 @@ TensorList backward_meta(
   return out;
 }
 
+// Functionalization of the mutating variants (auto_functionalize does not
+// handle list returns): run the operator on unwrapped clones of the mutable
+// inputs, then write the new values back into the functional tensors.
+TensorList unwrap(at::TensorList tensors, bool clone) {
+  namespace F = at::functionalization::impl;
+  TensorList out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    if (F::isFunctionalTensor(t)) {
+      F::sync(t);
+      auto inner = F::from_functional_tensor(t);
+      out.push_back(clone ? inner.clone() : inner);
+    } else {
+      out.push_back(t);
+    }
+  }
+  return out;
+}
+
+void write_back(at::TensorList mutated, const TensorList& updated) {
+  namespace F = at::functionalization::impl;
+  for (size_t i = 0; i < mutated.size(); ++i) {
+    if (F::isFunctionalTensor(mutated[i])) {
+      F::replace_(mutated[i], updated[i]);
+      F::commit_update(mutated[i]);
+      F::sync(mutated[i]);
+    }
+  }
+}
+
+TensorList call_mutating_functionalize(
+    int64_t leaf,
+    at::TensorList inputs,
+    at::TensorList mutated) {
+  auto in = unwrap(inputs, /*clone=*/false);
+  auto mut = unwrap(mutated, /*clone=*/true);
+  TensorList out;
+  {
+    c10::impl::ExcludeDispatchKeyGuard skip(c10::DispatchKey::Functionalize);
+    out = ops::call(leaf, in, mut);
+  }
+  write_back(mutated, mut);
+  return at::functionalization::impl::to_functional_tensor(out);
+}
+
+std::tuple<TensorList, at::Tensor> forward_mutating_functionalize(
+    int64_t leaf,
+    at::TensorList inputs,
+    at::TensorList mutated,
+    at::IntArrayRef differentiable) {
+  auto in = unwrap(inputs, /*clone=*/false);
+  auto mut = unwrap(mutated, /*clone=*/true);
+  std::tuple<TensorList, at::Tensor> out;
+  {
+    c10::impl::ExcludeDispatchKeyGuard skip(c10::DispatchKey::Functionalize);
+    out = ops::forward(leaf, in, mut, differentiable);
+  }
+  write_back(mutated, mut);
+  namespace F = at::functionalization::impl;
+  return {F::to_functional_tensor(std::get<0>(out)), F::to_functional_tensor(std::get<1>(out))};
+}
+
 } // namespace
 
+TORCH_LIBRARY_IMPL(torchleaf, Functionalize, m) {
+  m.impl("call_mutating", &call_mutating_functionalize);
+  m.impl("forward_mutating", &forward_mutating_functionalize);
+}
+
 TORCH_LIBRARY(torchleaf, m) {
-  m.def("call(int leaf, Tensor[] inputs, Tensor(a!)[] mutated) -> Tensor[]");
+  m.def("call(int leaf, Tensor[] inputs) -> Tensor[]");
+  m.def("forward(int leaf, Tensor[] inputs, int[] differentiable) -> (Tensor[], Tensor)");
+  m.def("call_mutating(int leaf, Tensor[] inputs, Tensor(a!)[] mutated) -> Tensor[]");
   m.def(
-      "forward(int leaf, Tensor[] inputs, Tensor(a!)[] mutated, "
+      "forward_mutating(int leaf, Tensor[] inputs, Tensor(a!)[] mutated, "
       "int[] differentiable) -> (Tensor[], Tensor)");
   m.def(
       "backward(int leaf, Tensor state, Tensor?[] grads, SymInt[] input_meta) "
@@ -224,12 +329,16 @@ TORCH_LIBRARY(torchleaf, m) {
 TORCH_LIBRARY_IMPL(torchleaf, CompositeExplicitAutograd, m) {
   m.impl("call", &call_kernel);
   m.impl("forward", &forward_kernel);
+  m.impl("call_mutating", &call_mutating_kernel);
+  m.impl("forward_mutating", &forward_mutating_kernel);
   m.impl("backward", &backward_kernel);
 }
 
 TORCH_LIBRARY_IMPL(torchleaf, Meta, m) {
   m.impl("call", &call_meta);
   m.impl("forward", &forward_meta);
+  m.impl("call_mutating", &call_mutating_meta);
+  m.impl("forward_mutating", &forward_mutating_meta);
   m.impl("backward", &backward_meta);
 }
 

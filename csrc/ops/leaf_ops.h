@@ -2,13 +2,18 @@
 
 // The torchleaf operators. Schemas are defined once, in leaf_ops.cpp:
 //
-//   torchleaf::call(int leaf, Tensor[] inputs, Tensor(a!)[] mutated) -> Tensor[]
+//   torchleaf::call(int leaf, Tensor[] inputs) -> Tensor[]
 //       Runs a leaf. Its Autograd kernel turns a differentiable call into
 //       `forward` plus an autograd node whose backward is `backward`.
-//   torchleaf::forward(int leaf, Tensor[] inputs, Tensor(a!)[] mutated,
-//                      int[] differentiable) -> (Tensor[], Tensor)
+//   torchleaf::forward(int leaf, Tensor[] inputs, int[] differentiable)
+//                      -> (Tensor[], Tensor)
 //       Runs a leaf and captures its autograd graph for the inputs listed in
 //       `differentiable`; the second output is the state handle.
+//   torchleaf::call_mutating / forward_mutating: the same with an extra
+//       `Tensor(a!)[] mutated` list for declared in-place mutation. They are
+//       separate operators because ordered effects and automatic
+//       functionalization both exclude mutable operators with list returns;
+//       these have their own Functionalize kernels instead.
 //   torchleaf::backward(int leaf, Tensor state, Tensor?[] grads,
 //                       SymInt[] input_meta) -> Tensor[]
 //       Replays a captured graph: one gradient per differentiable input.
@@ -23,18 +28,21 @@
 #include <optional>
 #include <tuple>
 
+#include <torchleaf/export.h>
+
 #include "../registry.h"
 
 namespace torchleaf::ops {
 
-// Calls through the dispatcher (all keys).
-TensorList call(int64_t leaf, at::TensorList inputs, at::TensorList mutated);
-std::tuple<TensorList, at::Tensor> forward(
+// Calls through the dispatcher (all keys); an empty `mutated` selects the
+// non-mutating operator.
+TORCHLEAF_API TensorList call(int64_t leaf, at::TensorList inputs, at::TensorList mutated);
+TORCHLEAF_API std::tuple<TensorList, at::Tensor> forward(
     int64_t leaf,
     at::TensorList inputs,
     at::TensorList mutated,
     at::IntArrayRef differentiable);
-TensorList backward(
+TORCHLEAF_API TensorList backward(
     int64_t leaf,
     const at::Tensor& state,
     const c10::List<std::optional<at::Tensor>>& grads,
@@ -54,11 +62,11 @@ FlatInputs merge_inputs(
     at::TensorList mutated);
 
 // Kernels shared by `call` and the named operators.
-TensorList call_real(
+TORCHLEAF_API TensorList call_real(
     const LeafEntry& entry,
     at::TensorList inputs,
     at::TensorList mutated);
-TensorList call_fake(
+TORCHLEAF_API TensorList call_fake(
     const LeafEntry& entry,
     at::TensorList inputs,
     at::TensorList mutated);

@@ -1,1 +1,51 @@
+"""torchleaf: leaf functions for PyTorch, with a C++ core.
 
+A leaf function is opaque to torch.compile, make_fx, AOTAutograd, Inductor
+and torch.export (one operator call in every graph), runs for real on every
+call, and is differentiable without a hand-written backward: its own autograd
+graph is captured per call and replayed in backward.
+"""
+
+import os as _os
+
+import torch as _torch
+
+from . import _C
+from ._errors import LeafFunctionError
+
+_C._set_error_type(LeafFunctionError)
+
+from . import config  # noqa: E402
+from ._leaf import LeafFunction, leaf_function  # noqa: E402
+from ._registration import _register_ops, sync_cpp_leaves  # noqa: E402
+
+_register_ops()
+
+#: Prefix for CMake's find_package(torchleaf): headers, libtorchleaf and the
+#: CMake package shipped inside this Python package.
+cmake_prefix_path = _os.path.join(_os.path.dirname(__file__), "share", "cmake")
+
+
+def live_states() -> int:
+    """Number of captured autograd states alive now: one per differentiable
+    leaf call whose autograd graph has not been released."""
+    return _C.live_states()
+
+
+def load_library(path: str) -> None:
+    """Load a shared library that defines C++ leaf functions (like
+    ``torch.ops.load_library``) and make them traceable from Python."""
+    _torch.ops.load_library(path)
+    sync_cpp_leaves()
+
+
+__all__ = [
+    "LeafFunction",
+    "LeafFunctionError",
+    "cmake_prefix_path",
+    "config",
+    "leaf_function",
+    "live_states",
+    "load_library",
+    "sync_cpp_leaves",
+]

@@ -93,7 +93,7 @@ struct LeafBackward final : public Node {
   std::vector<c10::SymInt> input_meta_;
 };
 
-TensorList call_autograd_kernel(
+TensorList call_mutating_autograd_kernel(
     int64_t leaf,
     at::TensorList inputs,
     at::TensorList mutated) {
@@ -102,6 +102,10 @@ TensorList call_autograd_kernel(
   }
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return ops::call(leaf, inputs, mutated);
+}
+
+TensorList call_autograd_kernel(int64_t leaf, at::TensorList inputs) {
+  return call_mutating_autograd_kernel(leaf, inputs, {});
 }
 
 } // namespace
@@ -157,6 +161,7 @@ std::optional<TensorList> call_autograd(
 
 TORCH_LIBRARY_IMPL(torchleaf, Autograd, m) {
   m.impl("call", &call_autograd_kernel);
+  m.impl("call_mutating", &call_mutating_autograd_kernel);
 }
 
 } // namespace torchleaf::ops

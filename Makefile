@@ -1,0 +1,52 @@
+# torchleaf: `make demo` and `make test` work from a clean clone on a fresh
+# machine; they install what is missing, build, and run.
+
+PYTHON ?= python3
+BUILD_DIR := build/py
+PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
+DEB_PACKAGES := libgtest-dev libbenchmark-dev
+PY_DEPS := torch==2.13.0 "optree>=0.13" "pybind11>=2.12" "scikit-build-core>=0.10" ninja cmake \
+           "pytest>=8" "hypothesis>=6" numpy matplotlib
+
+.PHONY: all deps build test test-cpp test-python demo bench bench-quick sanitize clean
+
+all: build
+
+deps:
+	@dpkg -s $(DEB_PACKAGES) >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEB_PACKAGES) >/dev/null)
+	@$(PYTHON) -c "import torch, optree, pybind11, scikit_build_core, pytest, hypothesis, numpy, matplotlib; \
+	  assert torch.__version__.startswith('2.13.0')" 2>/dev/null || $(PIP) $(PY_DEPS)
+
+# Editable install; scikit-build-core drives CMake and builds libtorchleaf,
+# torchleaf._C and the C++ tests in $(BUILD_DIR) (incremental on re-runs).
+build: deps
+	@$(PIP) --no-build-isolation --no-deps -e .
+
+test: build test-cpp test-python
+
+test-cpp:
+	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 600
+
+test-python:
+	TORCHLEAF_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m pytest tests/python -q
+
+demo: build
+	$(PYTHON) examples/demo.py
+
+bench: build
+	TORCHLEAF_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) benchmarks/run.py
+
+bench-quick: build
+	TORCHLEAF_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) benchmarks/run.py --quick
+
+# The C++ suite under AddressSanitizer + UBSan (LeakSanitizer included).
+sanitize: deps
+	cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORCHLEAF_SANITIZE=ON \
+	  -DTORCHLEAF_BUILD_PYTHON=OFF -DTORCHLEAF_BUILD_TESTS=ON
+	cmake --build build/asan
+	cd build/asan && ASAN_OPTIONS=detect_leaks=1 LSAN_OPTIONS=suppressions=$(abspath tests/cpp/lsan.supp) \
+	  ctest --output-on-failure
+
+clean:
+	rm -rf build

@@ -1,0 +1,56 @@
+"""Process-wide switches, stored in the C++ core (so C++ leaves see them too).
+
+    torchleaf.config.validate_outputs = True
+    with torchleaf.config.patch(check_escaped_gradients=False):
+        ...
+"""
+
+import contextlib
+import sys
+import types
+
+from . import _C
+
+_FLAGS = {
+    # Compare real and fake outputs (structure, shape, dtype, device) on every
+    # call. Off by default: it runs the fake a second time.
+    "validate_outputs": (_C.get_validate_outputs, _C.set_validate_outputs),
+    # Fail when the real function's graph reaches tensors that require grad
+    # but are not inputs (closures, globals). On by default.
+    "check_escaped_gradients": (_C.get_check_escaped_gradients, _C.set_check_escaped_gradients),
+}
+
+
+class _ConfigModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name in _FLAGS:
+            return _FLAGS[name][0]()
+        raise AttributeError(f"torchleaf.config has no flag {name!r}; flags: {sorted(_FLAGS)}")
+
+    def __setattr__(self, name, value):
+        if name in _FLAGS:
+            _FLAGS[name][1](bool(value))
+        else:
+            super().__setattr__(name, value)
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(_FLAGS))
+
+
+@contextlib.contextmanager
+def patch(**flags):
+    """Set flags for the duration of a ``with`` block, then restore them."""
+    unknown = set(flags) - set(_FLAGS)
+    if unknown:
+        raise AttributeError(f"torchleaf.config has no flag(s) {sorted(unknown)}; flags: {sorted(_FLAGS)}")
+    saved = {name: _FLAGS[name][0]() for name in flags}
+    try:
+        for name, value in flags.items():
+            _FLAGS[name][1](bool(value))
+        yield
+    finally:
+        for name, value in saved.items():
+            _FLAGS[name][1](value)
+
+
+sys.modules[__name__].__class__ = _ConfigModule
