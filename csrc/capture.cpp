@@ -222,6 +222,7 @@ TensorList run_fake(const LeafEntry& entry, const TensorList& inputs) {
 TensorList run_real(
     const LeafEntry& entry,
     const TensorList& inputs,
+    const std::vector<bool>& mutable_inputs,
     const std::vector<bool>* capture_mask,
     std::shared_ptr<CapturedState>* state_out) {
   RECORD_FUNCTION(entry.name, std::vector<c10::IValue>());
@@ -275,7 +276,7 @@ TensorList run_real(
   }
 
   for (size_t i = 0; i < inputs.size(); ++i) {
-    if (!entry.mutates(i)) {
+    if (mutable_inputs.empty() || !mutable_inputs[i]) {
       TORCHLEAF_CHECK(
           inputs[i]._version() == versions[i],
           entry.name,

@@ -12,9 +12,9 @@
 
 namespace torchleaf {
 
-// Runs `entry`'s real function on `inputs` (flat order: the positions listed
-// in entry.options.mutates_inputs are the declared mutable ones) and checks
-// the call (undeclared mutation, optional output validation). Outputs never
+// Runs `entry`'s real function on `inputs` (flat order; `mutable_inputs[i]`
+// says whether input i may be mutated in place, empty: none) and checks the
+// call (undeclared mutation, optional output validation). Outputs never
 // alias inputs and never carry autograd history.
 //
 // With a `capture_mask` that selects at least one input, the function runs
@@ -23,6 +23,7 @@ namespace torchleaf {
 TensorList run_real(
     const LeafEntry& entry,
     const TensorList& inputs,
+    const std::vector<bool>& mutable_inputs,
     const std::vector<bool>* capture_mask = nullptr,
     std::shared_ptr<CapturedState>* state = nullptr);
 

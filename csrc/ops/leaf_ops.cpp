@@ -74,6 +74,10 @@ FlatInputs merge_inputs(
       flat.tensors.push_back(inputs[i]);
     }
     flat.tensors.insert(flat.tensors.end(), mutated.begin(), mutated.end());
+    if (!mutated.empty()) {
+      flat.is_mutable.assign(total, false);
+      std::fill(flat.is_mutable.begin() + inputs.size(), flat.is_mutable.end(), true);
+    }
     return flat;
   }
   TORCHLEAF_CHECK(
@@ -86,8 +90,10 @@ FlatInputs merge_inputs(
       " in the mutated list.");
   size_t next_input = 0;
   size_t next_mutated = 0;
+  flat.is_mutable.assign(total, false);
   for (size_t pos = 0; pos < total; ++pos) {
     if (entry.mutates(pos)) {
+      flat.is_mutable[pos] = true;
       flat.tensors.push_back(mutated[next_mutated++]);
     } else {
       TORCHLEAF_CHECK(
@@ -118,7 +124,8 @@ TensorList call_real(
     const LeafEntry& entry,
     at::TensorList inputs,
     at::TensorList mutated) {
-  return run_real(entry, merge_inputs(entry, inputs, mutated).tensors);
+  auto flat = merge_inputs(entry, inputs, mutated);
+  return run_real(entry, flat.tensors, flat.is_mutable);
 }
 
 TensorList call_fake(
@@ -174,7 +181,7 @@ std::tuple<TensorList, at::Tensor> forward_mutating_kernel(
   auto flat = merge_inputs(entry, inputs, mutated);
   auto mask = capture_mask(entry, flat, differentiable);
   std::shared_ptr<CapturedState> state;
-  TensorList outputs = run_real(entry, flat.tensors, &mask, &state);
+  TensorList outputs = run_real(entry, flat.tensors, flat.is_mutable, &mask, &state);
   if (state == nullptr) { // nothing differentiable: an empty graph
     state = std::make_shared<CapturedState>();
     state->leaf_name = entry.name;

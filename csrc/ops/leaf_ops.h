@@ -55,6 +55,8 @@ struct FlatInputs {
   TensorList tensors;
   // Position in `tensors` of every entry of `inputs`.
   std::vector<size_t> input_positions;
+  // Whether each of `tensors` came from `mutated` (may be mutated in place).
+  std::vector<bool> is_mutable;
 };
 FlatInputs merge_inputs(
     const LeafEntry& entry,

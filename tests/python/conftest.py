@@ -1,0 +1,42 @@
+import glob
+import os
+
+import pytest
+import torch
+import torch._dynamo
+
+import torchleaf
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _test_library_path():
+    build = os.environ.get("TORCHLEAF_BUILD_DIR", os.path.join(_ROOT, "build", "py"))
+    matches = glob.glob(os.path.join(build, "tests", "cpp", "libtorchleaf_testleaves.so"))
+    if not matches:
+        raise RuntimeError(f"C++ test leaves not built under {build}; run `make build`")
+    return matches[0]
+
+
+@pytest.fixture(scope="session")
+def cpp_leaves():
+    """torch.ops.torchleaf_test, C++ leaves from tests/cpp/leaf_test_library.cpp."""
+    path = _test_library_path()
+    torchleaf.load_library(path)
+    import ctypes
+
+    lib = ctypes.CDLL(path)
+    lib.torchleaf_test_set_scale.argtypes = [ctypes.c_double]
+    return torch.ops.torchleaf_test, lib
+
+
+@pytest.fixture(autouse=True)
+def _isolation():
+    """Each test starts with fresh Dynamo caches and must not leak state."""
+    torch._dynamo.reset()
+    before = torchleaf.live_states()
+    yield
+    import gc
+
+    gc.collect()
+    assert torchleaf.live_states() == before, "captured autograd state leaked"

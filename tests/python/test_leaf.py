@@ -1,0 +1,274 @@
+"""Eager Python leaf functions: the decorator's surface, pytrees, modules,
+declared mutation, validation, errors and the single operator call."""
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import torchleaf
+from torchleaf import LeafFunctionError
+
+Pair = collections.namedtuple("Pair", ["first", "second"])
+
+
+def test_returns_exactly_what_the_function_returns():
+    calls = []
+
+    def body(x, cfg, *, extra=None):
+        calls.append(1)
+        if x.sum() > 0:  # data-dependent control flow
+            y = x * cfg["scale"]
+        else:
+            y = -x
+        return {"y": y, "pair": Pair(y.sum(), [x + 1, cfg["tag"]]), "none": None}, 7
+
+    leaf = torchleaf.leaf_function(body)
+    x = torch.rand(3) + 0.5
+    cfg = {"scale": 3.0, "tag": "t"}
+    got = leaf(x, cfg, extra=None)
+    want = body(x, cfg, extra=None)
+    assert type(got) is tuple and got[1] == 7
+    assert set(got[0]) == {"y", "pair", "none"} and got[0]["none"] is None
+    assert isinstance(got[0]["pair"], Pair)
+    torch.testing.assert_close(got[0]["y"], want[0]["y"])
+    torch.testing.assert_close(got[0]["pair"].first, want[0]["pair"].first)
+    torch.testing.assert_close(got[0]["pair"].second[0], want[0]["pair"].second[0])
+    assert got[0]["pair"].second[1] == "t"
+    assert len(calls) == 2  # one real call per call
+
+    # A single tensor, and None (a logging-only leaf).
+    single = torchleaf.leaf_function(lambda x: x * 2)
+    assert isinstance(single(x), torch.Tensor)
+    logged = []
+    log = torchleaf.leaf_function(lambda x: logged.append(float(x.sum())))
+    assert log(x) is None and logged == [pytest.approx(float(x.sum()))]
+
+
+def test_closures_and_module_attributes_are_read_on_every_call():
+    state = {"k": 1.0}
+
+    @torchleaf.leaf_function
+    def scaled(x, mod):
+        return mod(x) * state["k"] * mod.gain
+
+    mod = nn.Linear(2, 2)
+    mod.gain = 1.0
+    x = torch.randn(4, 2)
+    a = scaled(x, mod)
+    state["k"] = 2.0
+    mod.gain = 3.0
+    torch.testing.assert_close(scaled(x, mod), a * 6)
+
+
+def test_module_parameters_and_buffers_are_inputs():
+    class Norm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.register_buffer("shift", torch.ones(3))
+
+    @torchleaf.leaf_function
+    def apply(m, x):
+        assert m.lin.weight is not torch.nn.Parameter  # reparametrised view
+        return m.lin(x) + m.shift
+
+    m = Norm()
+    x = torch.randn(2, 3, requires_grad=True)
+    out = apply(m, x)
+    torch.testing.assert_close(out, m.lin(x) + m.shift)
+    out.sum().backward()
+    assert m.lin.weight.grad is not None and m.lin.bias.grad is not None
+    torch.testing.assert_close(m.lin.bias.grad, torch.full((3,), 2.0))
+    torch.testing.assert_close(x.grad, m.lin.weight.sum(0).expand(2, 3))
+    # After the call the module holds its own parameters again.
+    assert isinstance(m.lin.weight, nn.Parameter)
+
+
+def test_methods_of_modules():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        @torchleaf.leaf_function
+        def forward(self, x):
+            return self.lin(x).relu()
+
+    @Block.forward.register_fake
+    def _(self, x):
+        return x.new_empty(x.shape[0], 2)
+
+    b = Block()
+    x = torch.randn(3, 2)
+    torch.testing.assert_close(b(x), b.lin(x).relu())
+
+
+def test_declared_mutation_is_visible_and_undeclared_is_an_error():
+    @torchleaf.leaf_function(mutates_args={"counter"})
+    def step(x, counter):
+        counter.add_(1)
+        return x * 2
+
+    counter = torch.zeros(())
+    x = torch.ones(2)
+    torch.testing.assert_close(step(x, counter), x * 2)
+    torch.testing.assert_close(step(x, counter=counter), x * 2)
+    assert counter.item() == 2
+
+    @torchleaf.leaf_function
+    def sneaky(x):
+        x.mul_(2)
+        return x + 1
+
+    with pytest.raises(LeafFunctionError, match=r"sneaky' mutated its input 0 .*mutates_args"):
+        sneaky(torch.ones(2))
+
+    with pytest.raises(LeafFunctionError, match=r"mutates_args=\['nope'\], which is not a parameter"):
+        torchleaf.leaf_function(mutates_args={"nope"})(lambda x: x)
+
+
+def test_validate_outputs_names_the_difference():
+    @torchleaf.leaf_function
+    def f(x):
+        return x.sum(0), x
+
+    @f.register_fake
+    def _(x):
+        return x.new_empty(x.shape[1]), x.new_empty(x.shape)
+
+    @torchleaf.leaf_function
+    def wrong_shape(x):
+        return x.sum(0)
+
+    @wrong_shape.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    @torchleaf.leaf_function
+    def wrong_structure(x):
+        return (x + 1, x + 2)
+
+    @wrong_structure.register_fake
+    def _(x):
+        return [torch.empty_like(x), torch.empty_like(x)]
+
+    @torchleaf.leaf_function
+    def wrong_dtype(x):
+        return x.double()
+
+    @wrong_dtype.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    x = torch.ones(2, 3)
+    assert torchleaf.config.validate_outputs is False
+    wrong_shape(x)  # not checked by default
+    with torchleaf.config.patch(validate_outputs=True):
+        assert torchleaf.config.validate_outputs is True
+        f(x)
+        with pytest.raises(LeafFunctionError, match=r"wrong_shape' output 0 has shape \[3\] but its fake .* \[2, 3\]"):
+            wrong_shape(x)
+        with pytest.raises(LeafFunctionError, match=r"different output structure.*\n  real: \(Tensor, Tensor\)\n  fake: \[Tensor, Tensor\]"):
+            wrong_structure(x)
+        with pytest.raises(LeafFunctionError, match="has dtype Double but its fake implementation gives dtype Float"):
+            wrong_dtype(x)
+    assert torchleaf.config.validate_outputs is False
+    # The attribute form and a per-leaf override.
+    torchleaf.config.validate_outputs = True
+    try:
+        with pytest.raises(LeafFunctionError):
+            wrong_shape(x)
+    finally:
+        torchleaf.config.validate_outputs = False
+    strict = torchleaf.leaf_function(validate_outputs=True)(lambda x: x.sum(0))
+    strict.register_fake(lambda x: torch.empty_like(x))
+    with pytest.raises(LeafFunctionError, match="has shape"):
+        strict(x)
+    with pytest.raises(AttributeError, match="no flag"):
+        with torchleaf.config.patch(no_such_flag=True):
+            pass
+
+
+def test_errors_are_leaf_function_errors():
+    assert issubclass(LeafFunctionError, RuntimeError)
+
+
+def test_fake_tensors_run_the_fake_never_the_real():
+    real_calls = []
+
+    @torchleaf.leaf_function
+    def f(x, y):
+        real_calls.append(1)
+        return x @ y
+
+    @f.register_fake
+    def _(x, y):
+        return x.new_empty(x.shape[0], y.shape[1])
+
+    with FakeTensorMode():
+        out = f(torch.empty(2, 3), torch.empty(3, 5))
+        assert out.shape == (2, 5)
+    assert real_calls == []
+
+    @torchleaf.leaf_function
+    def no_fake(x):
+        return x + 1
+
+    with FakeTensorMode():
+        with pytest.raises(LeafFunctionError, match="no_fake' requires a fake implementation"):
+            no_fake(torch.empty(2))
+    torch.testing.assert_close(no_fake(torch.zeros(2)), torch.ones(2))  # eager needs no fake
+
+
+def test_one_named_operator_call_in_the_profiler():
+    @torchleaf.leaf_function
+    def profiled_leaf(x):
+        return (x * 2).sin().cos()
+
+    x = torch.randn(8)
+    with torch.profiler.profile() as prof:
+        profiled_leaf(x)
+    names = [e.name for e in prof.events()]
+    assert names.count("torchleaf::call") == 1
+    assert sum(1 for n in names if n.endswith("profiled_leaf")) == 1
+
+
+def test_exceptions_keep_their_type_and_name_the_leaf():
+    class Boom(ValueError):
+        pass
+
+    @torchleaf.leaf_function
+    def explode(x):
+        if x.sum() > 10:
+            raise Boom("too large")
+        return x * 2
+
+    x = torch.full((3,), 5.0, requires_grad=True)
+    with pytest.raises(Boom, match="too large") as info:
+        explode(x)
+    assert any("explode" in note for note in info.value.__notes__)
+    assert torchleaf.live_states() == 0
+    torch.testing.assert_close(explode(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def test_cpp_leaf_from_python(cpp_leaves):
+    ops, lib = cpp_leaves
+    x, b = torch.randn(4), torch.randn(4)
+    torch.testing.assert_close(ops.scale_bias([x, b])[0], x * 2 + b)
+    lib.torchleaf_test_set_scale(5.0)
+    try:
+        torch.testing.assert_close(ops.scale_bias([x, b])[0], x * 5 + b)
+    finally:
+        lib.torchleaf_test_set_scale(2.0)
+    counter = torch.zeros(())
+    ops.count_calls([x], [counter])
+    ops.count_calls([x], [counter])
+    assert counter.item() == 2
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with FakeTensorMode(shape_env=ShapeEnv()):  # the C++ fake gets an unbacked size
+        out = ops.positives([torch.empty(6)])[0]
+        assert isinstance(out.shape[0], torch.SymInt)
