@@ -1,0 +1,243 @@
+"""Autograd through leaf functions: gradients against the undecorated
+function, per-invocation state (also under AOTAutograd, where PyTorch's
+built-in leaf_function fails), retain_graph, double backward, lifetimes and
+escaped gradients."""
+
+import gc
+
+import pytest
+import torch
+from functorch.compile import aot_function, nop
+from torch import nn
+from torch.autograd import gradcheck, gradgradcheck
+
+import torchleaf
+from torchleaf import LeafFunctionError
+
+
+def _leaf(fn, fake=None):
+    leaf = torchleaf.leaf_function(fn)
+    if fake is not None:
+        leaf.register_fake(fake)
+    return leaf
+
+
+def elementwise(x, y):
+    return (x * y).sin() + x.exp()
+
+
+def matmul(x, w):
+    return torch.tanh(x @ w)
+
+
+def reductions(x):
+    return x.sum(), x.pow(2).mean(0), x.logsumexp(1)
+
+
+def pytree_in(d, pair):
+    return {"a": d["x"] * pair[0] + pair[1].sum(), "b": [d["x"].cumsum(0)]}
+
+
+def double64(*shape):
+    return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+
+@pytest.mark.parametrize(
+    "fn,make_inputs",
+    [
+        (elementwise, lambda: (double64(4), double64(4))),
+        (matmul, lambda: (double64(3, 4), double64(4, 2))),
+        (reductions, lambda: (double64(3, 4),)),
+    ],
+    ids=["elementwise", "matmul", "reductions"],
+)
+def test_gradcheck_and_gradgradcheck(fn, make_inputs):
+    leaf = _leaf(fn)
+    inputs = make_inputs()
+    for got, want in zip(torch.utils._pytree.tree_leaves(leaf(*inputs)), torch.utils._pytree.tree_leaves(fn(*inputs))):
+        torch.testing.assert_close(got, want)
+    assert gradcheck(leaf, inputs)
+    assert gradgradcheck(leaf, inputs)
+
+
+def test_gradcheck_pytree_inputs_and_module():
+    leaf = _leaf(pytree_in)
+    x, s, t = double64(5), double64(()), double64(3)
+
+    def flat(x, s, t):
+        return torch.utils._pytree.tree_leaves(leaf({"x": x}, (s, t)))
+
+    assert gradcheck(flat, (x, s, t))
+    assert gradgradcheck(flat, (x, s, t))
+
+    mod = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    run = _leaf(lambda m, x: m(x))
+    x = double64(5, 3)
+    params = list(mod.parameters())
+
+    def through_module(x, *ps):
+        with torch.nn.utils.stateless._reparametrize_module(mod, dict(zip([n for n, _ in mod.named_parameters()], ps))):
+            return run(mod, x)
+
+    assert gradcheck(through_module, (x, *params))
+    # Parameter gradients equal the undecorated module's.
+    run(mod, x).pow(2).sum().backward()
+    got = [p.grad.clone() for p in params]
+    mod.zero_grad()
+    mod(x).pow(2).sum().backward()
+    for g, p in zip(got, params):
+        torch.testing.assert_close(g, p.grad)
+
+
+def test_unused_inputs_get_zeros_and_non_differentiable_outputs():
+    leaf = _leaf(lambda x, unused: (x * 2, x.argmax(), torch.ones(2)))
+    x, unused = torch.randn(3, requires_grad=True), torch.randn(2, 2, requires_grad=True)
+    a, idx, const = leaf(x, unused)
+    assert idx.dtype == torch.int64 and not idx.requires_grad
+    gx, gu = torch.autograd.grad(a.sum() + const.sum(), (x, unused))
+    torch.testing.assert_close(gx, torch.full((3,), 2.0))
+    torch.testing.assert_close(gu, torch.zeros(2, 2))
+
+
+def _accumulation(f, compiled):
+    torch.manual_seed(0)
+    w = torch.randn(4, 3, requires_grad=True)
+    x1 = torch.randn(2, 4, requires_grad=True)
+    x2 = (torch.randn(2, 4) * 3).requires_grad_()
+    g = aot_function(f, fw_compiler=nop, bw_compiler=nop) if compiled else f
+    out1 = g(x1, w)
+    out2 = g(x2, w)  # two forwards in flight
+    out1.sum().backward()
+    gw1 = w.grad.clone()
+    out2.sum().backward()
+    return gw1, w.grad - gw1, x1.grad, x2.grad
+
+
+def _body(x, w):
+    return (x @ w).tanh() * x.sum()
+
+
+def _body_fake(x, w):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_function"])
+def test_two_forwards_in_flight_keep_their_own_state(compiled):
+    expected = _accumulation(_body, compiled=False)
+    got = _accumulation(_leaf(_body, _body_fake), compiled)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+
+
+def test_builtin_leaf_function_fails_two_forwards_in_flight():
+    """Recorded result for PyTorch 2.13's own leaf_function: under
+    aot_function its state is one slot per call site, so the second backward
+    finds the first backward's freed graph and raises (eager works)."""
+    from torch._dynamo.decorators import leaf_function as builtin_leaf_function
+
+    builtin = builtin_leaf_function(_body)
+    builtin.register_fake(_body_fake)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        _accumulation(builtin, compiled=True)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_function"])
+def test_retain_graph_then_second_backward_accumulates(compiled):
+    leaf = _leaf(_body, _body_fake)
+    f = aot_function(leaf, fw_compiler=nop, bw_compiler=nop) if compiled else leaf
+    x = torch.randn(2, 4, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    loss = f(x, w).sum()
+    loss.backward(retain_graph=True)
+    once = x.grad.clone(), w.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(x.grad, 2 * once[0])
+    torch.testing.assert_close(w.grad, 2 * once[1])
+    del loss
+    assert torchleaf.live_states() == 0
+
+
+def test_double_backward_matches_the_function():
+    leaf = _leaf(_body, _body_fake)
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+
+    def second(f):
+        gx, gw = torch.autograd.grad(f(x, w).pow(2).sum(), (x, w), create_graph=True)
+        return torch.autograd.grad(gx.sin().sum() + gw.pow(2).sum(), (x, w))
+
+    for got, want in zip(second(leaf), second(_body)):
+        torch.testing.assert_close(got, want)
+
+
+def test_released_state_is_a_clear_error():
+    leaf = _leaf(_body, _body_fake)
+    x = torch.randn(2, 4, requires_grad=True)
+    loss = leaf(x, torch.randn(4, 3)).sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="second time|already released"):
+        loss.backward()
+    # The process stays usable.
+    leaf(x, torch.randn(4, 3)).sum().backward()
+
+
+def _rss_kib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4
+
+
+def test_state_is_released_with_the_graph_even_without_backward():
+    leaf = _leaf(lambda x, w: (x * w).sum(1), lambda x, w: x.new_empty(x.shape[0]))
+    w = torch.randn(8, requires_grad=True)
+    x = torch.randn(4, 8)
+    out = leaf(x, w)
+    assert torchleaf.live_states() == 1
+    del out
+    assert torchleaf.live_states() == 0
+
+    def loop(n):
+        for i in range(n):
+            out = leaf(x, w)
+            if i % 2:
+                out.sum().backward()
+
+    loop(5_000)  # warm up allocator and caches
+    gc.collect()
+    rss_before = _rss_kib()
+    loop(100_000)
+    gc.collect()
+    assert torchleaf.live_states() == 0
+    growth = _rss_kib() - rss_before
+    assert growth < 8 * 1024, f"resident memory grew by {growth} KiB over 100,000 calls"
+
+
+def test_escaped_gradients_are_counted_or_ignored():
+    w = torch.randn(3, requires_grad=True)
+    b = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+
+    @torchleaf.leaf_function
+    def closes_over(x):
+        return x * w + b.sum(0).float()
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(LeafFunctionError) as info:
+        closes_over(x)
+    msg = str(info.value)
+    assert "closes_over' uses 2 tensor(s) that require grad but are not among its inputs" in msg
+    assert "shape=[3], dtype=Float" in msg and "shape=[2, 3], dtype=Double" in msg
+    assert torchleaf.live_states() == 0
+
+    with torchleaf.config.patch(check_escaped_gradients=False):
+        closes_over(x).sum().backward()
+    torch.testing.assert_close(x.grad, w.detach())
+    assert w.grad is None and b.grad is None  # not computed, as documented
+
+    # A non-leaf closure (part of the caller's graph) is caught too.
+    h = w * 2
+
+    @torchleaf.leaf_function
+    def uses_graph(x):
+        return x + h
+
+    with pytest.raises(LeafFunctionError, match="uses 1 tensor"):
+        uses_graph(x)
