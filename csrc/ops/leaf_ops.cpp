@@ -253,17 +253,16 @@ TensorList backward_meta(
 }
 
 // Functionalization of the mutating variants (auto_functionalize does not
-// handle list returns): run the operator on unwrapped clones of the mutable
-// inputs, then write the new values back into the functional tensors.
-TensorList unwrap(at::TensorList tensors, bool clone) {
+// handle list returns): call the functional variant on the unwrapped inputs,
+// then write the new values back into the functional tensors.
+TensorList unwrap(at::TensorList tensors) {
   namespace F = at::functionalization::impl;
   TensorList out;
   out.reserve(tensors.size());
   for (const auto& t : tensors) {
     if (F::isFunctionalTensor(t)) {
       F::sync(t);
-      auto inner = F::from_functional_tensor(t);
-      out.push_back(clone ? inner.clone() : inner);
+      out.push_back(F::from_functional_tensor(t));
     } else {
       out.push_back(t);
     }
@@ -282,19 +281,69 @@ void write_back(at::TensorList mutated, const TensorList& updated) {
   }
 }
 
+// The functional variants: the same work on clones of the mutable inputs,
+// whose new values are returned.
+TensorList clone_all(at::TensorList tensors) {
+  TensorList out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    out.push_back(t.clone());
+  }
+  return out;
+}
+
+std::tuple<TensorList, TensorList> call_functional_kernel(
+    int64_t leaf,
+    at::TensorList inputs,
+    at::TensorList mutated) {
+  auto updated = clone_all(mutated);
+  auto out = call_mutating_kernel(leaf, inputs, updated);
+  return {std::move(out), std::move(updated)};
+}
+
+std::tuple<TensorList, TensorList> call_functional_meta(
+    int64_t leaf,
+    at::TensorList inputs,
+    at::TensorList mutated) {
+  return {call_mutating_meta(leaf, inputs, mutated), clone_all(mutated)};
+}
+
+std::tuple<TensorList, at::Tensor, TensorList> forward_functional_kernel(
+    int64_t leaf,
+    at::TensorList inputs,
+    at::TensorList mutated,
+    at::IntArrayRef differentiable) {
+  auto updated = clone_all(mutated);
+  auto [out, state] = forward_mutating_kernel(leaf, inputs, updated, differentiable);
+  return {std::move(out), std::move(state), std::move(updated)};
+}
+
+std::tuple<TensorList, at::Tensor, TensorList> forward_functional_meta(
+    int64_t leaf,
+    at::TensorList inputs,
+    at::TensorList mutated,
+    at::IntArrayRef differentiable) {
+  auto [out, state] = forward_mutating_meta(leaf, inputs, mutated, differentiable);
+  return {std::move(out), std::move(state), clone_all(mutated)};
+}
+
 TensorList call_mutating_functionalize(
     int64_t leaf,
     at::TensorList inputs,
     at::TensorList mutated) {
-  auto in = unwrap(inputs, /*clone=*/false);
-  auto mut = unwrap(mutated, /*clone=*/true);
-  TensorList out;
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchleaf::call_functional", "")
+                       .typed<std::tuple<TensorList, TensorList>(
+                           int64_t, at::TensorList, at::TensorList)>();
+  auto in = unwrap(inputs);
+  auto mut = unwrap(mutated);
+  std::tuple<TensorList, TensorList> out;
   {
     c10::impl::ExcludeDispatchKeyGuard skip(c10::DispatchKey::Functionalize);
-    out = ops::call(leaf, in, mut);
+    out = op.call(leaf, in, mut);
   }
-  write_back(mutated, mut);
-  return at::functionalization::impl::to_functional_tensor(out);
+  write_back(mutated, std::get<1>(out));
+  return at::functionalization::impl::to_functional_tensor(std::get<0>(out));
 }
 
 std::tuple<TensorList, at::Tensor> forward_mutating_functionalize(
@@ -302,14 +351,18 @@ std::tuple<TensorList, at::Tensor> forward_mutating_functionalize(
     at::TensorList inputs,
     at::TensorList mutated,
     at::IntArrayRef differentiable) {
-  auto in = unwrap(inputs, /*clone=*/false);
-  auto mut = unwrap(mutated, /*clone=*/true);
-  std::tuple<TensorList, at::Tensor> out;
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchleaf::forward_functional", "")
+                       .typed<std::tuple<TensorList, at::Tensor, TensorList>(
+                           int64_t, at::TensorList, at::TensorList, at::IntArrayRef)>();
+  auto in = unwrap(inputs);
+  auto mut = unwrap(mutated);
+  std::tuple<TensorList, at::Tensor, TensorList> out;
   {
     c10::impl::ExcludeDispatchKeyGuard skip(c10::DispatchKey::Functionalize);
-    out = ops::forward(leaf, in, mut, differentiable);
+    out = op.call(leaf, in, mut, differentiable);
   }
-  write_back(mutated, mut);
+  write_back(mutated, std::get<2>(out));
   namespace F = at::functionalization::impl;
   return {F::to_functional_tensor(std::get<0>(out)), F::to_functional_tensor(std::get<1>(out))};
 }
@@ -329,6 +382,12 @@ TORCH_LIBRARY(torchleaf, m) {
       "forward_mutating(int leaf, Tensor[] inputs, Tensor(a!)[] mutated, "
       "int[] differentiable) -> (Tensor[], Tensor)");
   m.def(
+      "call_functional(int leaf, Tensor[] inputs, Tensor[] mutated) "
+      "-> (Tensor[], Tensor[])");
+  m.def(
+      "forward_functional(int leaf, Tensor[] inputs, Tensor[] mutated, "
+      "int[] differentiable) -> (Tensor[], Tensor, Tensor[])");
+  m.def(
       "backward(int leaf, Tensor state, Tensor?[] grads, SymInt[] input_meta) "
       "-> Tensor[]");
 }
@@ -338,6 +397,8 @@ TORCH_LIBRARY_IMPL(torchleaf, CompositeExplicitAutograd, m) {
   m.impl("forward", &forward_kernel);
   m.impl("call_mutating", &call_mutating_kernel);
   m.impl("forward_mutating", &forward_mutating_kernel);
+  m.impl("call_functional", &call_functional_kernel);
+  m.impl("forward_functional", &forward_functional_kernel);
   m.impl("backward", &backward_kernel);
 }
 
@@ -346,6 +407,8 @@ TORCH_LIBRARY_IMPL(torchleaf, Meta, m) {
   m.impl("forward", &forward_meta);
   m.impl("call_mutating", &call_mutating_meta);
   m.impl("forward_mutating", &forward_mutating_meta);
+  m.impl("call_functional", &call_functional_meta);
+  m.impl("forward_functional", &forward_functional_meta);
   m.impl("backward", &backward_meta);
 }
 

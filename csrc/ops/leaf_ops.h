@@ -13,7 +13,9 @@
 //       `Tensor(a!)[] mutated` list for declared in-place mutation. They are
 //       separate operators because ordered effects and automatic
 //       functionalization both exclude mutable operators with list returns;
-//       these have their own Functionalize kernels instead.
+//       these have Functionalize kernels that call the functional variants
+//       call_functional / forward_functional, which run on clones of the
+//       mutable inputs and return their new values as extra outputs.
 //   torchleaf::backward(int leaf, Tensor state, Tensor?[] grads,
 //                       SymInt[] input_meta) -> Tensor[]
 //       Replays a captured graph: one gradient per differentiable input.

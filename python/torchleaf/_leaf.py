@@ -395,6 +395,8 @@ class LeafFunction:
         for ts in module_tensors:
             tensors.extend(ts)
         tracing = _tracing_active(tensors)
+        if tracing:
+            self._check_not_exporting()
         call = self._lookup_call(flat, spec, modules, tracing)
         inputs, mutated = call.split(flat, module_tensors)
         if call.id is not None:
@@ -412,8 +414,18 @@ class LeafFunction:
             return tensors[0]
         return _decode(desc, tensors)
 
+    def _check_not_exporting(self):
+        if torch.compiler.is_exporting():
+            raise LeafFunctionError(
+                f"torchleaf: Python leaf function '{self._name}' cannot be exported: an exported "
+                f"program must run in another process, and a Python function cannot be saved into "
+                f"it. Define the leaf in C++ (torchleaf::define_leaf), which exports as its named "
+                f"operator, or call it outside the exported module."
+            )
+
     def _compiled_call(self, args, kwargs):
         # Traced by Dynamo: everything but the operator call is constant.
+        self._check_not_exporting()
         flat, spec = pytree.tree_flatten((args, kwargs))
         skeleton = []
         modules = []

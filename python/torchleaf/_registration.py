@@ -41,6 +41,15 @@ def _fake_forward_mutating(leaf, inputs, mutated, differentiable):
     return _fake_leaf(leaf, inputs, mutated), torch.empty((), dtype=torch.int64)
 
 
+def _fake_call_functional(leaf, inputs, mutated):
+    return _fake_leaf(leaf, inputs, mutated), [torch.empty_like(t) for t in mutated]
+
+
+def _fake_forward_functional(leaf, inputs, mutated, differentiable):
+    outputs, state = _fake_forward_mutating(leaf, inputs, mutated, differentiable)
+    return outputs, state, [torch.empty_like(t) for t in mutated]
+
+
 def _fake_backward(leaf, state, grads, input_meta):
     grads_out = []
     i = 0
@@ -62,10 +71,19 @@ def _register_ops():
     torch.library.register_fake("torchleaf::forward", _fake_forward)
     torch.library.register_fake("torchleaf::call_mutating", _fake_call_mutating)
     torch.library.register_fake("torchleaf::forward_mutating", _fake_forward_mutating)
+    torch.library.register_fake("torchleaf::call_functional", _fake_call_functional)
+    torch.library.register_fake("torchleaf::forward_functional", _fake_forward_functional)
     torch.library.register_fake("torchleaf::backward", _fake_backward)
-    # The mutating variants cannot carry effects (PyTorch excludes mutable
-    # operators); their writes order them instead.
-    for op in (torch.ops.torchleaf.call, torch.ops.torchleaf.forward, torch.ops.torchleaf.backward):
+    # Every operator that reaches a functional graph is ordered. (The mutating
+    # variants cannot carry effects, PyTorch excludes mutable operators; they
+    # are functionalized into the functional variants.)
+    for op in (
+        torch.ops.torchleaf.call,
+        torch.ops.torchleaf.forward,
+        torch.ops.torchleaf.call_functional,
+        torch.ops.torchleaf.forward_functional,
+        torch.ops.torchleaf.backward,
+    ):
         _register_effectful_op(op.default, _EffectType.ORDERED)
     sync_cpp_leaves()
 

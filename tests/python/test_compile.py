@@ -1,0 +1,344 @@
+"""Leaf functions inside make_fx, AOTAutograd, torch.compile and export: one
+opaque operator per call, never the real body, compiled == eager."""
+
+import pytest
+import torch
+import torch._dynamo.testing
+from functorch.compile import aot_function, nop
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import torchleaf
+from torchleaf import LeafFunctionError
+
+LEAF_OPS = {
+    torch.ops.torchleaf.call.default,
+    torch.ops.torchleaf.forward.default,
+    torch.ops.torchleaf.backward.default,
+    torch.ops.torchleaf.call_mutating.default,
+    torch.ops.torchleaf.forward_mutating.default,
+    torch.ops.torchleaf.call_functional.default,
+    torch.ops.torchleaf.forward_functional.default,
+}
+
+
+def call_targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def leaf_calls(gm):
+    targets = call_targets(gm)
+    calls = [t for t in targets if t in LEAF_OPS]
+    # with_effects(token, op, ...) wraps effectful calls in AOT graphs.
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.higher_order.with_effects:
+            calls.append(n.args[1])
+    return calls
+
+
+class Counter:
+    def __init__(self):
+        self.real = 0
+
+
+def make_scaled(counter, state):
+    @torchleaf.leaf_function
+    def scaled(x):
+        counter.real += 1
+        if x.sum() > 0:  # data-dependent control flow
+            return x * state["k"]
+        return x - state["k"]
+
+    @scaled.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    return scaled
+
+
+@pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
+def test_make_fx_one_opaque_call(mode):
+    counter, state = Counter(), {"k": 2.0}
+    scaled = make_scaled(counter, state)
+
+    def program(x):
+        return scaled(x).cos() + 1
+
+    x = torch.rand(4) + 0.1
+    gm = make_fx(program, tracing_mode=mode)(x)
+    assert leaf_calls(gm) == [torch.ops.torchleaf.call.default]
+    assert torch.ops.aten.mul.Tensor not in call_targets(gm)  # the body is not traced
+    assert counter.real == (1 if mode == "real" else 0)
+    for inp in (x, -x, torch.rand(4) + 3):
+        torch.testing.assert_close(gm(inp), program(inp))
+    state["k"] = 5.0  # closures are read when the graph runs
+    torch.testing.assert_close(gm(x), (x * 5).cos() + 1)
+
+
+@pytest.mark.parametrize("mode", ["fake", "symbolic"])
+def test_make_fx_with_autograd_records_forward_and_backward(mode):
+    scaled = make_scaled(Counter(), {"k": 3.0})
+
+    def grad_of(x):
+        return torch.autograd.grad(scaled(x).sum(), x)[0]
+
+    x = torch.randn(4, requires_grad=True)
+    gm = make_fx(grad_of, tracing_mode=mode)(x)
+    assert leaf_calls(gm) == [torch.ops.torchleaf.forward.default, torch.ops.torchleaf.backward.default]
+    torch.testing.assert_close(gm(x.detach().abs().requires_grad_()), torch.full((4,), 3.0))
+
+
+def _positives():
+    @torchleaf.leaf_function
+    def positives(x):
+        return x[x > 0] * 2
+
+    @positives.register_fake
+    def _(x):
+        return x.new_empty(x.nonzero().shape[0])
+
+    return positives
+
+
+def test_unbacked_sizes_from_the_fake():
+    positives = _positives()
+
+    def program(x):
+        return positives(x) + 1
+
+    x = torch.tensor([1.0, -2.0, 3.0, -4.0, 5.0])
+    gm = make_fx(program, tracing_mode="symbolic")(x)
+    out_node = [n for n in gm.graph.nodes if n.op == "output"][0]
+    size = out_node.args[0].meta["val"].shape[0]
+    assert isinstance(size, torch.SymInt) and str(size).startswith("u")  # unbacked
+    torch.testing.assert_close(gm(x), program(x))
+    for backend in ("eager", "aot_eager", "inductor"):
+        torch._dynamo.reset()
+        compiled = torch.compile(program, backend=backend, fullgraph=True)
+        torch.testing.assert_close(compiled(x), program(x))
+        torch.testing.assert_close(compiled(-x), program(-x))
+
+
+def test_aot_function_graphs_hold_forward_and_backward_ops():
+    graphs = {}
+
+    def capture(name):
+        def compiler(gm, _):
+            graphs[name] = gm
+            return gm
+
+        return compiler
+
+    scaled = make_scaled(Counter(), {"k": 3.0})
+    f = aot_function(lambda x: scaled(x).sin(), fw_compiler=capture("fw"), bw_compiler=capture("bw"))
+    x = torch.rand(5, requires_grad=True)
+    out = f(x)
+    out.sum().backward()
+    assert torch.ops.torchleaf.forward.default in leaf_calls(graphs["fw"])
+    assert leaf_calls(graphs["bw"]) == [torch.ops.torchleaf.backward.default]
+    xe = x.detach().requires_grad_()
+    (xe * 3).sin().sum().backward()
+    torch.testing.assert_close(out, (x * 3).sin())
+    torch.testing.assert_close(x.grad, xe.grad)
+
+
+class Model(nn.Module):
+    def __init__(self, counter, settings):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3)
+        self.settings = settings
+
+        @torchleaf.leaf_function
+        def gate(h, head):
+            counter.real += 1
+            # Reads configuration that changes between steps.
+            return head(h.relu()) * self.settings["temperature"] * head.scale
+
+        @gate.register_fake
+        def _(h, head):
+            return h.new_empty(h.shape[0], 3)
+
+        self.gate = gate
+        self.head.scale = 1.0
+
+    def forward(self, x):
+        return self.gate(self.inp(x), self.head).log_softmax(-1)
+
+
+def _train(model, steps, x, y):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.nll_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return losses, grads
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_torch_compile_trains_like_eager(backend):
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    eager_counter, compiled_counter = Counter(), Counter()
+    eager = Model(eager_counter, {"temperature": 1.0})
+    compiled_model = Model(compiled_counter, {"temperature": 1.0})
+    compiled_model.load_state_dict(eager.state_dict())
+    cnt = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled_model.forward = torch.compile(compiled_model.forward, backend=cnt, fullgraph=True)
+
+    want = _train(eager, 3, x, y)
+    got = _train(compiled_model, 3, x, y)
+    assert compiled_counter.real == eager_counter.real == 3  # once per call, never while compiling
+    for a, b in zip(got[0], want[0]):
+        torch.testing.assert_close(a, b)
+    for ga, gb in zip(got[1], want[1]):
+        for a, b in zip(ga, gb):
+            torch.testing.assert_close(a, b)
+
+    # Configuration and module attributes change results without recompiling.
+    for m in (eager, compiled_model):
+        m.settings["temperature"] = 0.5
+        m.head.scale = 2.0
+    torch.testing.assert_close(compiled_model(x), eager(x))
+    assert cnt.frame_count == 1
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_side_effects_run_in_program_order_even_when_unused(backend):
+    log = []
+
+    def make(tag):
+        @torchleaf.leaf_function
+        def record(x):
+            log.append(tag)
+            return x + 1
+
+        @record.register_fake
+        def _(x):
+            return torch.empty_like(x)
+
+        return record
+
+    first, second = make("first"), make("second")
+
+    def program(x):
+        second(x)  # output unused
+        first(x)  # output unused
+        second(x)
+        return x * 2
+
+    compiled = torch.compile(program, backend=backend, fullgraph=True)
+    x = torch.randn(3, requires_grad=True)
+    compiled(x).sum().backward()
+    assert log == ["second", "first", "second"]
+
+
+@pytest.mark.parametrize("backend", ["aot_function", "aot_eager", "inductor"])
+def test_declared_mutation_under_compilation(backend):
+    @torchleaf.leaf_function(mutates_args={"stats"})
+    def track(x, stats):
+        stats.add_(x.detach().mean())
+        return x * 2
+
+    @track.register_fake
+    def _(x, stats):
+        return torch.empty_like(x)
+
+    def program(x, stats):
+        return track(x, stats).sin()
+
+    if backend == "aot_function":
+        compiled = aot_function(program, fw_compiler=nop, bw_compiler=nop)
+    else:
+        compiled = torch.compile(program, backend=backend, fullgraph=True)
+    x = torch.randn(4, requires_grad=True)
+    stats_eager, stats_compiled = torch.zeros(()), torch.zeros(())
+    want = program(x, stats_eager)
+    got = compiled(x, stats_compiled)
+    got = compiled(x, stats_compiled) * 1 + got * 0
+    program(x, stats_eager)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(stats_compiled, stats_eager)
+    got.sum().backward()
+
+
+@pytest.mark.parametrize("tracer", ["make_fx", "aot_function", "compile"])
+def test_missing_fake_under_any_tracer(tracer):
+    @torchleaf.leaf_function
+    def lonely(x):
+        return x + 1
+
+    x = torch.randn(2, requires_grad=True)
+    if tracer == "make_fx":
+        run = make_fx(lonely, tracing_mode="fake")
+    elif tracer == "aot_function":
+        run = aot_function(lonely, fw_compiler=nop, bw_compiler=nop)
+    else:
+        run = torch.compile(lonely, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="lonely' requires a fake implementation"):
+        run(x)
+
+
+def test_cpp_leaf_compiles_and_trains(cpp_leaves):
+    ops, lib = cpp_leaves
+
+    def program(x, b):
+        return ops.scale_bias([x, b])[0].tanh()
+
+    x = torch.randn(5, requires_grad=True)
+    b = torch.randn(5, requires_grad=True)
+    for backend in ("eager", "aot_eager", "inductor"):
+        torch._dynamo.reset()
+        cnt = torch._dynamo.testing.CompileCounterWithBackend(backend)
+        compiled = torch.compile(program, backend=cnt, fullgraph=True)
+        got = compiled(x, b)
+        gx, gb = torch.autograd.grad(got.sum(), (x, b))
+        want = (x * 2 + b).tanh()
+        ex, eb = torch.autograd.grad(want.sum(), (x, b))
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(gx, ex)
+        torch.testing.assert_close(gb, eb)
+        lib.torchleaf_test_set_scale(3.0)  # C++ state read on every call
+        try:
+            torch.testing.assert_close(compiled(x, b), (x * 3 + b).tanh())
+        finally:
+            lib.torchleaf_test_set_scale(2.0)
+        assert cnt.frame_count == 1
+
+
+def test_export_cpp_leaf_saves_loads_and_runs(cpp_leaves, tmp_path):
+    ops, _ = cpp_leaves
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, b):
+            return ops.scale_bias([self.lin(x), b])[0].relu()
+
+    net = Net()
+    x, b = torch.randn(3, 4), torch.randn(3, 4)
+    ep = torch.export.export(net, (x, b))
+    targets = call_targets(ep.graph_module)
+    assert targets.count(torch.ops.torchleaf_test.scale_bias.default) == 1
+    path = tmp_path / "net.pt2"
+    torch.export.save(ep, path)
+    loaded = torch.export.load(path)
+    for inp in ((x, b), (torch.randn(3, 4), torch.randn(3, 4))):
+        torch.testing.assert_close(loaded.module()(*inp), net(*inp))
+
+
+def test_export_python_leaf_is_a_clear_error():
+    scaled = make_scaled(Counter(), {"k": 2.0})
+
+    class Net(nn.Module):
+        def forward(self, x):
+            return scaled(x)
+
+    with pytest.raises(Exception, match="cannot be exported"):
+        torch.export.export(Net(), (torch.randn(3),))
