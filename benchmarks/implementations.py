@@ -118,6 +118,7 @@ def build_plain(body):
 
 def build_autograd_function(body):
     fn = fresh_function(body.fn, f"{body.name}_function_body")
+    setup, backward = body.setup_context, body.backward  # Dynamo cannot wrap Body
 
     class HandWritten(torch.autograd.Function):
         @staticmethod
@@ -126,11 +127,11 @@ def build_autograd_function(body):
 
         @staticmethod
         def setup_context(ctx, inputs, output):
-            body.setup_context(ctx, inputs, output)
+            setup(ctx, inputs, output)
 
         @staticmethod
         def backward(ctx, grad):
-            return body.backward(ctx, grad)
+            return backward(ctx, grad)
 
     HandWritten.__name__ = HandWritten.__qualname__ = f"{body.name.title()}Function"
     return HandWritten.apply

@@ -23,7 +23,9 @@ _register_ops()
 
 #: Prefix for CMake's find_package(torchleaf): headers, libtorchleaf and the
 #: CMake package shipped inside this Python package.
-cmake_prefix_path = _os.path.join(_os.path.dirname(__file__), "share", "cmake")
+#: (Next to the compiled extension, which editable installs keep apart from
+#: the Python sources.)
+cmake_prefix_path = _os.path.join(_os.path.dirname(_C.__file__), "share", "cmake")
 
 
 def live_states() -> int:
