@@ -4,9 +4,11 @@ CPU PyTorch keeps no allocator statistics, so memory is read from the
 kernel: the resident high-water mark (VmHWM in /proc/self/status) and the
 current resident size (/proc/self/statm).
 
-``peak VARIANT``: forward+backward of a medium body with large saved
+``peak VARIANT``: three training steps (grads set to None, forward,
+  backward) of a medium body with large saved
   activations (1024x1024 float32 tensors, two matmuls), undecorated
-  ("plain") or through a torchleaf leaf. Reports the high-water mark before
+  ("plain"), through a torchleaf leaf, or as a hand-written
+  autograd.Function (a control). Reports the high-water mark before
   and after, so the increment is what forward+backward itself added.
 ``growth VARIANT CALLS``: resident size and torchleaf.live_states() before
   and after CALLS forward+backward calls of the small body.
@@ -55,6 +57,29 @@ def mem_body(x, w1, w2):
     return torch.relu(h @ w2)
 
 
+class MemBodyFunction(torch.autograd.Function):
+    """mem_body with its backward written by hand (a control: one backward
+    node that returns all input gradients at once, like a leaf)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2):
+        h = torch.tanh(x @ w1)
+        out = torch.relu(h @ w2)
+        ctx.save_for_backward(x, w1, w2, h, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w1, w2, h, out = ctx.saved_tensors
+        g2 = grad * (out > 0)
+        gh = g2 @ w2.mT
+        gw2 = h.mT @ g2
+        del g2
+        g1 = gh * (1 - h * h)
+        del gh
+        return g1 @ w1.mT, x.mT @ g1, gw2
+
+
 def small_body(x):
     return x * 2 + 1
 
@@ -70,6 +95,8 @@ def variant(name, fn, fake):
         return fn
     if name == "torchleaf":
         return _leaf(fn, fake)
+    if name == "autograd_function" and fn is mem_body:
+        return MemBodyFunction.apply
     raise SystemExit(f"unknown variant {name!r}")
 
 
@@ -87,7 +114,9 @@ def peak(name, size=1024):
     hwm_was_reset = reset_hwm()
     rss_before = rss_bytes()
     hwm_before = vm_hwm_bytes()
-    for _ in range(3):
+    for _ in range(3):  # a training step: grads set to None, forward, backward
+        for t in (x, w1, w2):
+            t.grad = None
         fn(x, w1, w2).sum().backward()
     hwm_after = vm_hwm_bytes()
     return {

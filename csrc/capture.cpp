@@ -28,19 +28,30 @@ namespace {
 // captured call: gradients stop here and are collected by the engine. It is
 // never executed.
 struct InputSink final : public Node {
-  InputSink() : Node(/*sequence_nr=*/UINT64_MAX) {}
+  explicit InputSink(const std::string* leaf_name)
+      : Node(/*sequence_nr=*/UINT64_MAX), leaf_name_(leaf_name) {}
   variable_list apply(variable_list&& /*grads*/) override {
-    TORCH_INTERNAL_ASSERT(false, "torchleaf: InputSink must never run");
+    // Only reachable when user code inside the leaf runs a backward that
+    // accumulates into the leaf's inputs.
+    detail::throw_leaf_error(
+        *leaf_name_,
+        "ran .backward() through its own inputs inside its real function; "
+        "gradients cannot be accumulated into a leaf's inputs from inside "
+        "the leaf. Use torch.autograd.grad(outputs, inputs) there, or move "
+        "the backward call out of the leaf.");
   }
   std::string name() const override {
     return "torchleaf::InputSink";
   }
+
+ private:
+  const std::string* leaf_name_;
 };
 
 // An alias of `t` whose gradient flows into a new sink, recorded in `state`.
 at::Tensor sink_alias(const at::Tensor& t, CapturedState& state) {
   at::Tensor alias = t.detach();
-  auto sink = c10::make_intrusive<InputSink>();
+  auto sink = c10::make_intrusive<InputSink>(state.leaf_name);
   sink->add_input_metadata(alias);
   torch::autograd::impl::set_gradient_edge(alias, Edge(sink, 0));
   state.input_edges.emplace_back(std::move(sink), 0);
@@ -236,7 +247,7 @@ TensorList run_real(
   std::shared_ptr<CapturedState> state;
   if (capture) {
     state = std::make_shared<CapturedState>();
-    state->leaf_name = entry.name;
+    state->leaf_name = &entry.name;
   }
 
   AutogradKeysGuard keys(capture || !c10::InferenceMode::is_enabled());
@@ -339,7 +350,7 @@ TensorList replay(
     bool create_graph) {
   TORCHLEAF_CHECK(
       grads.size() == state.output_edges.size(),
-      state.leaf_name,
+      *state.leaf_name,
       "backward received ",
       grads.size(),
       " gradient(s) for ",
@@ -356,13 +367,21 @@ TensorList replay(
   }
   variable_list results;
   if (!roots.empty() && !state.input_edges.empty()) {
-    results = torch::autograd::Engine::get_default_engine().execute(
-        roots,
-        root_grads,
-        /*keep_graph=*/true,
-        create_graph,
-        /*accumulate_grad=*/false,
-        state.input_edges);
+    try {
+      results = torch::autograd::Engine::get_default_engine().execute(
+          roots,
+          root_grads,
+          /*keep_graph=*/true,
+          create_graph,
+          /*accumulate_grad=*/false,
+          state.input_edges);
+    } catch (c10::Error& e) {
+      if (dynamic_cast<LeafError*>(&e) == nullptr) {
+        e.add_context("while running the backward of leaf function '" +
+                      *state.leaf_name + "'");
+      }
+      throw;
+    }
   }
   TensorList out(state.input_edges.size());
   for (size_t i = 0; i < out.size(); ++i) {
@@ -425,11 +444,11 @@ variable_list differentiable_replay(
 }
 
 variable_list ReplayNode::apply(variable_list&& grads) {
-  TORCHLEAF_CHECK(
+  TORCH_CHECK(
       state_ != nullptr,
-      "<backward>",
-      "cannot run a higher-order backward whose graph was already released; "
-      "pass retain_graph=True to the earlier backward.");
+      "torchleaf: cannot run a higher-order backward of a leaf function whose "
+      "graph was already released; pass retain_graph=True to the earlier "
+      "backward.");
   if (at::GradMode::is_enabled()) {
     edge_list edges(next_edges().begin(), next_edges().end());
     return differentiable_replay(state_, grads, std::move(edges));
@@ -439,7 +458,7 @@ variable_list ReplayNode::apply(variable_list&& grads) {
 }
 
 std::string ReplayNode::name() const {
-  return "torchleaf::ReplayBackward";
+  return state_ ? *state_->leaf_name + "BackwardBackward" : "torchleaf::ReplayBackward";
 }
 
 } // namespace torchleaf

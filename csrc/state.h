@@ -20,7 +20,8 @@ struct InputMeta {
 // leave (one edge per differentiable input). Holding the output edges keeps
 // the graph and its saved tensors alive; nothing else refers to it.
 struct CapturedState {
-  std::string leaf_name;
+  // The leaf's name, owned by its (immortal) registry entry.
+  const std::string* leaf_name = nullptr;
   std::vector<torch::autograd::Edge> output_edges; // invalid: no gradient
   std::vector<torch::autograd::Edge> input_edges;
   std::vector<InputMeta> input_meta; // parallel to input_edges

@@ -184,7 +184,7 @@ std::tuple<TensorList, at::Tensor> forward_mutating_kernel(
   TensorList outputs = run_real(entry, flat.tensors, flat.is_mutable, &mask, &state);
   if (state == nullptr) { // nothing differentiable: an empty graph
     state = std::make_shared<CapturedState>();
-    state->leaf_name = entry.name;
+    state->leaf_name = &entry.name;
     state->output_edges.resize(outputs.size());
   }
   return {std::move(outputs), make_state_handle(std::move(state))};

@@ -170,7 +170,19 @@ class _Call:
         with contextlib.ExitStack() as stack:
             for module, mapping in bindings:
                 stack.enter_context(_reparametrize_module(module, mapping, tie_weights=False, strict=True))
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+            for module, mapping in bindings:
+                current = dict(module.named_parameters())
+                current.update(module.named_buffers())
+                for name, tensor in mapping.items():
+                    if current.get(name) is not tensor:
+                        raise LeafFunctionError(
+                            f"torchleaf: leaf function '{self.leaf._name}' replaced '{name}' of its "
+                            f"{type(module).__name__} argument. The module's parameters and buffers "
+                            f"are the leaf's inputs and must not be reassigned inside it; return the "
+                            f"new value instead."
+                        )
+            return out
 
     def split(self, flat, module_tensors):
         """The operator's (inputs, mutated) lists for the flat leaves of a call."""
@@ -203,6 +215,14 @@ def _run_real(tensors, call):
         _add_note(e, f"raised inside the real function of leaf function '{leaf._name}'")
         raise
     flat, desc = _flatten_output(leaf, out)
+    traced = call.out
+    if traced is not None and traced is not desc and _structure(traced) != _structure(desc):
+        # A compiled graph expects the fake's outputs.
+        raise LeafFunctionError(
+            f"torchleaf: leaf function '{leaf._name}' returned a different output structure than "
+            f"its fake implementation.\n  real: {_show(desc)}\n  fake: {_show(traced)}\n"
+            f"Make the fake return the same pytree structure as the real function."
+        )
     _tls.out = (call, desc)
     return flat
 
@@ -223,6 +243,7 @@ def _run_fake(tensors, call):
         _add_note(e, f"raised inside the fake implementation of leaf function '{leaf._name}'")
         raise
     flat, desc = _flatten_output(leaf, out)
+    _check_constants(leaf, desc)
     last = getattr(_tls, "out", None)
     if last is not None and last[0] is call:
         # Validation: the real function just ran on these inputs.
@@ -234,6 +255,27 @@ def _run_fake(tensors, call):
             )
     call.out = desc
     return flat
+
+
+_CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _check_constants(leaf, desc):
+    """A fake's non-tensor outputs become graph constants: only plain values."""
+    kind = desc[0]
+    if kind == _OUT_CONST:
+        if not isinstance(desc[1], _CONSTANT_TYPES):
+            raise LeafFunctionError(
+                f"torchleaf: the fake implementation of leaf function '{leaf._name}' returned a "
+                f"{type(desc[1]).__name__} where a tensor or a plain constant (None, bool, int, "
+                f"float, str) was expected. Return tensors (e.g. torch.empty(...)) for array outputs."
+            )
+    elif kind == _OUT_DICT or kind == _OUT_NAMEDTUPLE:
+        for d in desc[2]:
+            _check_constants(leaf, d)
+    elif kind != _OUT_TENSOR:
+        for d in desc[1]:
+            _check_constants(leaf, d)
 
 
 def _show(desc):

@@ -1,0 +1,376 @@
+"""BENCHMARKS.md, the targets and docs/overhead.png from measured results."""
+
+import os
+import platform
+import subprocess
+
+import torch
+
+from implementations import BODIES, IMPLEMENTATIONS
+from overhead import MODES, Unsupported
+
+LABELS = {impl.key: impl.label for impl in IMPLEMENTATIONS}
+MODE_LABELS = {mode.key: mode.label for mode in MODES}
+
+
+# ------------------------------------------------------------------- machine
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git_revision(root):
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
+        return rev.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+    except OSError:
+        return "unknown"
+
+
+def machine_info(root):
+    return {
+        "CPU": _cpu_model(),
+        "Cores (os.cpu_count)": os.cpu_count(),
+        "torch threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "Python": platform.python_version(),
+        "OS": platform.platform(),
+        "torchleaf revision": _git_revision(root),
+    }
+
+
+# ------------------------------------------------------------------- numbers
+def overhead(results, body, mode, impl):
+    """Per-call time above the plain implementation's, in µs (None if n/a)."""
+    t, plain = results.get((body, mode, impl)), results.get((body, mode, "plain"))
+    if t is None or isinstance(t, Unsupported) or plain is None:
+        return None
+    return t.median_us - plain.median_us
+
+
+def ratio(numerator, denominator):
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def _fmt(x, digits=1, suffix=""):
+    return "n/a" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def compute_ratios(results):
+    """Ratios of overheads measured in the same process, for each body."""
+    rows = []
+    for body in BODIES:
+        for label, mode, other in (
+            ("torchleaf / autograd.Function", "eager_fwdbwd", "autograd_function"),
+            ("torchleaf / custom_op", "eager_fwdbwd", "custom_op"),
+            ("torchleaf / built-in leaf_function", "aot_eager_fwdbwd", "builtin_leaf"),
+            ("torchleaf / custom_op", "aot_eager_fwdbwd", "custom_op"),
+            ("torchleaf / autograd.Function", "aot_eager_fwdbwd", "autograd_function"),
+            ("torchleaf / graph break", "aot_eager_fwdbwd", "graph_break"),
+            ("torchleaf / custom_op", "inductor_fwdbwd", "custom_op"),
+        ):
+            mine = overhead(results, body.name, mode, "torchleaf")
+            theirs = overhead(results, body.name, mode, other)
+            rows.append((body.name, MODE_LABELS[mode], label, mine, theirs, ratio(mine, theirs)))
+    return rows
+
+
+def compute_targets(results, cpp, memory):
+    """[(target, measured, PASS/MISS/n/a)]"""
+    targets = []
+
+    def add(name, measured, ok):
+        targets.append((name, measured, "n/a" if ok is None else ("PASS" if ok else "MISS")))
+
+    def ovh(mode, impl):
+        return overhead(results, "small", mode, impl)
+
+    tl, builtin = ovh("aot_eager_fwdbwd", "torchleaf"), ovh("aot_eager_fwdbwd", "builtin_leaf")
+    add(
+        "compile(aot_eager) fwd+bwd: torchleaf overhead ≤ 1/5 of built-in leaf_function's",
+        f"{_fmt(tl)} µs vs {_fmt(builtin)} µs (ratio {_fmt(ratio(tl, builtin), 3)})",
+        None if tl is None or builtin is None else tl <= builtin / 5,
+    )
+    custom = ovh("aot_eager_fwdbwd", "custom_op")
+    add(
+        "compile(aot_eager) fwd+bwd: torchleaf overhead ≤ custom_op's",
+        f"{_fmt(tl)} µs vs {_fmt(custom)} µs (ratio {_fmt(ratio(tl, custom), 2)})",
+        None if tl is None or custom is None else tl <= custom,
+    )
+    tl, fn = ovh("eager_fwdbwd", "torchleaf"), ovh("eager_fwdbwd", "autograd_function")
+    add(
+        "eager fwd+bwd: torchleaf overhead ≤ 1.5× hand-written autograd.Function's",
+        f"{_fmt(tl)} µs vs {_fmt(fn)} µs (ratio {_fmt(ratio(tl, fn), 2)})",
+        None if tl is None or fn is None else tl <= 1.5 * fn,
+    )
+    for kind in ("Fwd", "FwdBwd"):
+        diff = cpp_difference(cpp, kind)
+        add(
+            f"C++ {'fwd' if kind == 'Fwd' else 'fwd+bwd'}: leaf ≤ 2 µs above hand-written "
+            "torch::autograd::Function",
+            f"{_fmt(diff, 2)} µs above" if diff is not None else "C++ benchmark did not run",
+            None if diff is None else diff <= 2.0,
+        )
+    peak = memory.get("peak", {})
+    if "plain" in peak and "torchleaf" in peak:
+        plain, leaf = peak["plain"]["increment_mib"], peak["torchleaf"]["increment_mib"]
+        add(
+            "peak memory of fwd+bwd within 5% of the undecorated function",
+            f"{leaf:.1f} MiB vs {plain:.1f} MiB above baseline ({100 * (leaf / plain - 1):+.1f}%)",
+            leaf <= 1.05 * plain,
+        )
+    growth = memory.get("growth", {}).get("torchleaf")
+    if growth:
+        add(
+            f"no growth over {growth['calls']:,} fwd+bwd calls (RSS growth < 1 MiB, live_states unchanged)",
+            f"RSS {growth['rss_before_mib']:.1f} → {growth['rss_after_mib']:.1f} MiB "
+            f"({growth['growth_mib']:+.2f} MiB), live_states {growth['live_states_before']} → "
+            f"{growth['live_states_after']}",
+            growth["growth_mib"] < 1.0 and growth["live_states_after"] == growth["live_states_before"],
+        )
+    return targets
+
+
+def cpp_difference(cpp, kind):
+    """C++ leaf time minus hand-written Function time (µs) for Fwd/FwdBwd."""
+    res = (cpp or {}).get("results", {})
+    leaf, fn = res.get(f"BM_Leaf_{kind}"), res.get(f"BM_Function_{kind}")
+    if leaf is None or fn is None:
+        return None
+    return leaf["time_us"] - fn["time_us"]
+
+
+# ------------------------------------------------------------------ markdown
+def _python_table(results, body, footnotes):
+    modes = [m for m in MODES]
+    lines = [
+        "| implementation | " + " | ".join(m.label for m in modes) + " |",
+        "|---|" + "---:|" * len(modes),
+    ]
+    for impl in IMPLEMENTATIONS:
+        cells = []
+        for mode in modes:
+            r = results.get((body.name, mode.key, impl.key))
+            if r is None:
+                cells.append("—")
+            elif isinstance(r, Unsupported):
+                footnotes.append(f"{impl.label}, {body.name} body, {mode.label}: **{r.error}**: {r.reason}")
+                cells.append(f"not supported [{len(footnotes)}]")
+            elif impl.key == "plain":
+                cells.append(f"{r.median_us:.1f}")
+            else:
+                cells.append(f"{r.median_us:.1f} (+{overhead(results, body.name, mode.key, impl.key):.1f})")
+        lines.append(f"| {impl.label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown(*, info, settings_note, results, cpp, cpp_error, memory, targets, plot_name, load, elapsed_s):
+    out = ["# torchleaf benchmarks", ""]
+    out += [
+        "Generated by `make bench` (`python benchmarks/run.py`); do not edit by hand. "
+        "Every figure below was measured in this run.",
+        "",
+        "## Machine and versions",
+        "",
+    ]
+    out += [f"- **{k}**: {v}" for k, v in info.items()]
+    if cpp and cpp.get("context"):
+        ctx = cpp["context"]
+        out.append(
+            f"- **Google Benchmark**: library build type `{ctx.get('library_build_type', '?')}` "
+            "(the Debian package reports `debug`; the benchmark executable and libtorchleaf are built "
+            "`Release`)"
+        )
+    out.append(
+        f"- **Load average** (1 min) at start / end: {load[0]:.2f} / {load[1]:.2f} "
+        "(the machine may be shared; interleaved timing spreads noise over all variants)"
+    )
+    out.append(f"- **Run time**: {elapsed_s:.0f} s; {settings_note}")
+    out += ["", "## Targets", "", "| target | measured | result |", "|---|---|---|"]
+    out += [f"| {name} | {measured} | **{verdict}** |" for name, measured, verdict in targets]
+    out += [
+        "",
+        "Overheads are per-call time minus the plain (inline) implementation's in the same mode, "
+        "small body, in µs.",
+        "",
+        "## Per-call time, Python",
+        "",
+        "Median per-call time in µs; in parentheses the overhead over plain inline code in the same "
+        "mode and process. `eager fwd` runs the forward with inputs that require grad (the autograd "
+        "graph is recorded); `fwd+bwd` runs `impl(*inputs).sum().backward()`; compiled modes compile "
+        "that loss with `torch.compile(fullgraph=True)` (the graph-break variant with "
+        "`fullgraph=False`, which it needs by construction).",
+        "",
+    ]
+    footnotes = []
+    for body in BODIES:
+        out += [f"### {body.name} body: {body.description}", ""]
+        out += _python_table(results, body, footnotes)
+        out.append("")
+    if footnotes:
+        out += [f"[{i}] {note}" for i, note in enumerate(footnotes, 1)]
+        out.append("")
+    out += [f"![per-call overhead]({plot_name})", ""]
+    out += [
+        "### Overhead ratios (same process)",
+        "",
+        "| body | mode | ratio | torchleaf overhead (µs) | other overhead (µs) | ratio |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for body, mode, label, mine, theirs, r in compute_ratios(results):
+        out.append(f"| {body} | {mode} | {label} | {_fmt(mine)} | {_fmt(theirs)} | {_fmt(r, 2)} |")
+    out += [
+        "",
+        "For the medium body the overheads are small differences of large, noisier times; "
+        "read them as an order of magnitude.",
+        "",
+        "## Per-call time, C++ (Google Benchmark)",
+        "",
+    ]
+    if cpp_error:
+        out += ["**The C++ benchmark FAILED** (build or run):", "", "```", cpp_error.strip()[-3000:], "```", ""]
+    else:
+        out += [
+            "Small body `x * 2 + 1` on 64 float32, x requires grad; fwd+bwd also runs "
+            "`y.sum().backward()`. Median of repetitions, real time.",
+            "",
+            "| variant | fwd (µs) | fwd+bwd (µs) | fwd+bwd overhead over plain (µs) |",
+            "|---|---:|---:|---:|",
+        ]
+        res = cpp["results"]
+        plain_fb = res["BM_Plain_FwdBwd"]["time_us"]
+        for name, label in (("Plain", "plain (inline)"), ("Function", "torch::autograd::Function"), ("Leaf", "torchleaf leaf")):
+            fwd, fb = res[f"BM_{name}_Fwd"]["time_us"], res[f"BM_{name}_FwdBwd"]["time_us"]
+            out.append(f"| {label} | {fwd:.2f} | {fb:.2f} | {fb - plain_fb:+.2f} |")
+        out += [
+            "",
+            f"Leaf minus hand-written Function: fwd {cpp_difference(cpp, 'Fwd'):+.2f} µs, "
+            f"fwd+bwd {cpp_difference(cpp, 'FwdBwd'):+.2f} µs. "
+            f"torchleaf::live_states() after each benchmark: "
+            f"{sorted({int(r['live_states']) for r in res.values() if r['live_states'] is not None})}.",
+            "",
+        ]
+    out += ["## Memory", ""]
+    peak = memory.get("peak", {})
+    if peak:
+        plain = peak["plain"]["increment_mib"]
+        out += [
+            "Three training steps (grads set to None, forward, backward of `.sum()`) of "
+            "`relu(tanh(x @ w1) @ w2)` with x, w1, w2 1024x1024 float32 requiring grad, each variant "
+            "in a fresh subprocess (one torch thread, `MALLOC_MMAP_THRESHOLD_=65536` so that freed "
+            "tensors leave the resident set at once). Peak = VmHWM; increment = peak minus the "
+            f"resident size before the steps (median of {peak['plain']['runs']} subprocesses).",
+            "",
+            "| variant | resident before (MiB) | peak (MiB) | increment (MiB) | vs plain |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for name, label in (("plain", "undecorated"), ("torchleaf", "torchleaf leaf"),
+                            ("autograd_function", "hand-written autograd.Function (control)")):
+            p = peak.get(name)
+            if p:
+                out.append(
+                    f"| {label} | {p['rss_before_mib']:.1f} | {p['hwm_after_mib']:.1f} | "
+                    f"{p['increment_mib']:.1f} | {100 * (p['increment_mib'] / plain - 1):+.1f}% |"
+                )
+        out += [
+            "",
+            "A leaf (like any single autograd.Function) has one backward node for the whole body: "
+            "its saved activations and all its input gradients are alive together until that node "
+            "finishes, while the undecorated graph frees each op's saved tensors as soon as that op's "
+            "backward has run. The control row shows what a hand-written autograd.Function costs on "
+            "the same body.",
+            "",
+        ]
+    growth = memory.get("growth", {})
+    if growth:
+        out += [
+            "Resident size (/proc/self/statm) before and after forward+backward calls of the small "
+            "body (x: 64 float32), in a fresh subprocess after 1,000 warm-up calls:",
+            "",
+            "| variant | calls | RSS before (MiB) | RSS after (MiB) | growth (MiB) | live_states before → after |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for name, label in (("plain", "undecorated (control)"), ("torchleaf", "torchleaf leaf")):
+            g = growth.get(name)
+            if g:
+                out.append(
+                    f"| {label} | {g['calls']:,} | {g['rss_before_mib']:.2f} | {g['rss_after_mib']:.2f} | "
+                    f"{g['growth_mib']:+.2f} | {g['live_states_before']} → {g['live_states_after']} |"
+                )
+        out.append("")
+    out += [
+        "## Method",
+        "",
+        "- All Python variants of one (body, mode) pair are timed in one process, round-robin: each "
+        "round runs one batch of back-to-back calls of every variant, timed with "
+        "`time.perf_counter_ns`; the reported time is the median over rounds of the batch means, "
+        "after one warm-up batch each (and, for compiled modes, after compilation). The garbage "
+        "collector is off while timing.",
+        "- Before timing, every variant's loss value and input gradients are checked against plain "
+        "code. Each compiled variant has its own code object, so no variant pays for another's "
+        "Dynamo guards.",
+        "- Implementations: plain inline code (the floor); `torch.autograd.Function` with a "
+        "hand-written backward; `torch.library.custom_op` + `register_fake` + `register_autograd` "
+        "(called through the decorated object, as users do); "
+        "`torch._dynamo.decorators.leaf_function` + `register_fake`; `torch.compiler.disable` on the "
+        "body (graph break; compiled modes only); `torchleaf.leaf_function` + `register_fake`.",
+        "- C++: Google Benchmark, `--benchmark_repetitions` with random interleaving, median "
+        "aggregate; one intra-op thread.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------- plot
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = [impl for impl in IMPLEMENTATIONS if impl.key != "plain"]
+    fig, axes = plt.subplots(1, len(BODIES), figsize=(13, 4.8), sharey=False)
+    width = 0.8 / len(impls)
+    for ax, body in zip(axes, BODIES):
+        for i, impl in enumerate(impls):
+            xs, ys, missing = [], [], []
+            for m, mode in enumerate(MODES):
+                x = m + (i - (len(impls) - 1) / 2) * width
+                r = results.get((body.name, mode.key, impl.key))
+                if isinstance(r, Unsupported):
+                    missing.append(x)
+                ovh = overhead(results, body.name, mode.key, impl.key)
+                if ovh is not None:
+                    xs.append(x)
+                    ys.append(ovh)
+            ax.bar(xs, ys, width, label=impl.label)
+            for x in missing:
+                ax.text(x, 1.2, "not supported", rotation=90, ha="center", va="bottom", fontsize=7)
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.axhline(0, color="black", linewidth=0.6)
+        ax.set_xticks(range(len(MODES)))
+        ax.set_xticklabels([m.label.replace(" fwd", "\nfwd") for m in MODES], fontsize=8)
+        ax.set_ylabel("overhead over plain code per call (µs, symlog)")
+        ax.set_title(f"{body.name} body: {body.description.replace('`', '')}", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Per-call overhead (torch {torch.__version__}, {_cpu_model()}, {os.cpu_count()} cores)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def results_as_json(results):
+    out = {}
+    for (body, mode, impl), r in results.items():
+        out.setdefault(body, {}).setdefault(mode, {})[impl] = r.__dict__.copy()
+    return out

@@ -1,0 +1,206 @@
+"""The misuse table of docs/errors.md: each case raises a clear error that
+names the leaf and the fix, and the process stays usable afterwards."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import torchleaf
+from torchleaf import LeafFunctionError
+
+
+def leaf_with_fake(fn, fake):
+    leaf = torchleaf.leaf_function(fn)
+    leaf.register_fake(fake)
+    return leaf
+
+
+def still_usable():
+    ok = leaf_with_fake(lambda x: x * 2, torch.empty_like)
+    x = torch.ones(3, requires_grad=True)
+    ok(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    assert torchleaf.live_states() == 0
+
+
+def no_fake():
+    leaf = torchleaf.leaf_function(lambda x: x + 1)
+    with FakeTensorMode():
+        leaf(torch.empty(2))
+
+
+def fake_structure():
+    leaf = leaf_with_fake(lambda x: (x, x + 1), lambda x: torch.empty_like(x))
+    with torchleaf.config.patch(validate_outputs=True):
+        leaf(torch.ones(2))
+
+
+def fake_shape():
+    leaf = leaf_with_fake(lambda x: x.sum(0), torch.empty_like)
+    with torchleaf.config.patch(validate_outputs=True):
+        leaf(torch.ones(2, 3))
+
+
+def fake_dtype():
+    leaf = leaf_with_fake(lambda x: x.long(), torch.empty_like)
+    with torchleaf.config.patch(validate_outputs=True):
+        leaf(torch.ones(2))
+
+
+def fake_device():
+    leaf = leaf_with_fake(lambda x: x + 1, lambda x: torch.empty(x.shape, device="meta"))
+    with torchleaf.config.patch(validate_outputs=True):
+        leaf(torch.ones(2))
+
+
+def undeclared_mutation():
+    def bump(x):
+        x.add_(1)
+        return x * 2
+
+    torchleaf.leaf_function(bump)(torch.ones(2))
+
+
+def unknown_mutates_args():
+    torchleaf.leaf_function(mutates_args={"buffer"})(lambda x, buf: x)
+
+
+def escaped_gradients():
+    w = torch.ones(2, requires_grad=True)
+    torchleaf.leaf_function(lambda x: x * w)(torch.ones(2, requires_grad=True))
+
+
+def real_returns_non_tensor_for_traced_call():
+    # The compiled graph expects a tensor (from the fake); the real returns None.
+    def sometimes_none(x):
+        return None if x.sum() < 0 else x + 1
+
+    leaf = leaf_with_fake(sometimes_none, torch.empty_like)
+    compiled = torch.compile(lambda x: leaf(x), backend="eager", fullgraph=True)
+    compiled(torch.ones(2))
+    compiled(-torch.ones(2))
+
+
+def fake_returns_array():
+    import numpy as np
+
+    leaf = leaf_with_fake(lambda x: x + 1, lambda x: np.zeros(2))
+    torch.compile(lambda x: leaf(x), backend="eager", fullgraph=True)(torch.ones(2))
+
+
+def backward_inside_leaf():
+    def trains_inside(x):
+        y = (x * 2).sum()
+        y.backward()
+        return x * 2
+
+    leaf_with_fake(trains_inside, torch.empty_like)(torch.ones(2, requires_grad=True))
+
+
+def module_parameter_replaced():
+    def replaces(m, x):
+        m.weight = nn.Parameter(torch.zeros_like(m.weight))
+        return m(x)
+
+    torchleaf.leaf_function(replaces)(nn.Linear(2, 2), torch.ones(1, 2))
+
+
+def released_state():
+    leaf = leaf_with_fake(lambda x: x.exp(), torch.empty_like)
+    x = torch.ones(2, requires_grad=True)
+    out = leaf(x)
+    out.sum().backward()
+    torch.autograd.grad(out.sum(), x)
+
+
+def wrong_gradient_count():
+    leaf = leaf_with_fake(lambda x: (x * 2, x * 3), lambda x: (torch.empty_like(x), torch.empty_like(x)))
+    x = torch.ones(2, requires_grad=True)
+    leaf(x)  # registers the call
+    call = leaf._positional[1]
+    outs, state = torch.ops.torchleaf.forward(call.id, [x.detach()], [0])
+    try:
+        torch.ops.torchleaf.backward(call.id, state, [torch.ones(2)], [6, 0, -1, 1, 2])
+    except LeafFunctionError as e:
+        error = e.with_traceback(None)  # the traceback's frames hold the state handle
+    del outs, state
+    raise error
+
+
+CASES = [
+    (no_fake, LeafFunctionError, r"requires a fake implementation.*register_fake"),
+    (fake_structure, LeafFunctionError, r"different output structure than its fake implementation"),
+    (fake_shape, LeafFunctionError, r"output 0 has shape \[3\] but its fake implementation gives shape \[2, 3\]"),
+    (fake_dtype, LeafFunctionError, r"output 0 has dtype Long but its fake implementation gives dtype Float"),
+    (fake_device, LeafFunctionError, r"output 0 is on device cpu but its fake implementation puts it on meta"),
+    (undeclared_mutation, LeafFunctionError, r"mutated its input 0 .* in place without declaring it"),
+    (unknown_mutates_args, LeafFunctionError, r"mutates_args=\['buffer'\], which is not a parameter"),
+    (escaped_gradients, LeafFunctionError, r"uses 1 tensor\(s\) that require grad but are not among its inputs"),
+    (real_returns_non_tensor_for_traced_call, LeafFunctionError, r"returned a different output structure"),
+    (fake_returns_array, LeafFunctionError, r"returned a ndarray where a tensor or a plain constant"),
+    (backward_inside_leaf, LeafFunctionError, r"ran .backward\(\) through its own inputs .* torch.autograd.grad"),
+    (module_parameter_replaced, LeafFunctionError, r"replaced 'weight' of its Linear argument"),
+    (released_state, RuntimeError, r"second time|already released"),
+    (wrong_gradient_count, LeafFunctionError, r"backward received 1 gradient\(s\) for 2 output\(s\)"),
+]
+
+
+@pytest.mark.parametrize("case,error,pattern", CASES, ids=[c[0].__name__ for c in CASES])
+def test_misuse_is_explained(case, error, pattern):
+    with pytest.raises(Exception) as info:
+        case()
+    exc = info.value
+    # Errors raised while Dynamo runs fakes reach the user wrapped by Dynamo.
+    while not isinstance(exc, error) and (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__
+    assert isinstance(exc, error), repr(info.value)
+    message = str(exc)
+    assert re.search(pattern, message, re.S), message
+    if error is LeafFunctionError and case is not unknown_mutates_args:
+        assert "leaf function '" in message
+    torch._dynamo.reset()
+    still_usable()
+
+
+def test_errors_table_lists_every_case():
+    import pathlib
+
+    table = (pathlib.Path(__file__).parents[2] / "docs" / "errors.md").read_text()
+    for case, _, _ in CASES:
+        assert f"`{case.__name__}`" in table, f"docs/errors.md misses {case.__name__}"
+
+
+def test_exceptions_in_fake_and_backward_keep_their_type():
+    class FakeBroke(KeyError):
+        pass
+
+    def bad_fake(x):
+        raise FakeBroke("no shapes today")
+
+    leaf = leaf_with_fake(lambda x: x + 1, bad_fake)
+    with pytest.raises(FakeBroke) as info:
+        with FakeTensorMode():
+            leaf(torch.empty(2))
+    assert any("fake implementation of leaf function" in n for n in info.value.__notes__)
+
+    class BackwardBroke(ArithmeticError):
+        pass
+
+    class Fragile(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            raise BackwardBroke("cannot differentiate")
+
+    fragile = leaf_with_fake(lambda x: Fragile.apply(x), torch.empty_like)
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(BackwardBroke, match="cannot differentiate"):
+        fragile(x).sum().backward()
+    assert torchleaf.live_states() == 0
+    still_usable()
