@@ -168,7 +168,7 @@ def _python_table(results, body, footnotes):
             elif impl.key == "plain":
                 cells.append(f"{r.median_us:.1f}")
             else:
-                cells.append(f"{r.median_us:.1f} (+{overhead(results, body.name, mode.key, impl.key):.1f})")
+                cells.append(f"{r.median_us:.1f} ({overhead(results, body.name, mode.key, impl.key):+.1f})")
         lines.append(f"| {impl.label} | " + " | ".join(cells) + " |")
     return lines
 
