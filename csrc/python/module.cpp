@@ -192,10 +192,14 @@ PYBIND11_MODULE(_C, m) {
         "The name of leaf `id`.");
   m.def("live_states", &live_states,
         "Number of captured autograd states alive now.");
-  m.def("get_validate_outputs", &Config::validate_outputs);
-  m.def("set_validate_outputs", &Config::set_validate_outputs);
-  m.def("get_check_escaped_gradients", &Config::check_escaped_gradients);
-  m.def("set_check_escaped_gradients", &Config::set_check_escaped_gradients);
+  m.def("get_validate_outputs", &Config::validate_outputs,
+        "Whether real and fake outputs are compared on every call.");
+  m.def("set_validate_outputs", &Config::set_validate_outputs, py::arg("enabled"),
+        "Compare real and fake outputs on every call (default off).");
+  m.def("get_check_escaped_gradients", &Config::check_escaped_gradients,
+        "Whether escaped gradients are an error.");
+  m.def("set_check_escaped_gradients", &Config::set_check_escaped_gradients,
+        py::arg("enabled"), "Make escaped gradients an error (default on).");
   m.def("scalar_type_code", [](const at::Tensor& t) {
     return static_cast<int64_t>(t.scalar_type());
   }, "The c10::ScalarType code of a tensor's dtype.");
