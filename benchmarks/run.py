@@ -19,6 +19,8 @@ import sys
 import tempfile
 import time
 
+import torch
+
 import cpp_bench
 import overhead
 import report
@@ -64,6 +66,10 @@ def main():
     args = parser.parse_args()
 
     started, load_start = time.time(), os.getloadavg()[0]
+    # One intra-op thread: per-call overhead is what is measured, and a
+    # two-thread matmul on a shared 2-core machine stalls whenever another
+    # process holds a core, which swamps the medium body's figures.
+    torch.set_num_threads(1)
     settings = overhead.QUICK if args.quick else overhead.FULL
 
     log("C++ benchmarks (build/bench)")

@@ -11,7 +11,6 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <sstream>
-#include <unordered_set>
 
 #include <torchleaf/errors.h>
 
@@ -30,7 +29,18 @@ namespace {
 struct InputSink final : public Node {
   explicit InputSink(const std::string* leaf_name)
       : Node(/*sequence_nr=*/UINT64_MAX), leaf_name_(leaf_name) {}
-  variable_list apply(variable_list&& /*grads*/) override {
+
+  // Eager mode: the sink is created with an edge into the caller's graph
+  // (so topological numbers are right from the start) and activated once the
+  // call succeeded; from then on gradients pass through.
+  void activate() {
+    spliced_ = true;
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    if (spliced_) {
+      return std::move(grads);
+    }
     // Only reachable when user code inside the leaf runs a backward that
     // accumulates into the leaf's inputs.
     detail::throw_leaf_error(
@@ -46,12 +56,43 @@ struct InputSink final : public Node {
 
  private:
   const std::string* leaf_name_;
+  bool spliced_ = false;
+};
+
+// Eager mode: the node behind a captured call's outputs. Gradients pass
+// through to the captured graph; unreached inputs get zeros.
+struct LeafRouter final : public Node {
+  LeafRouter(const LeafEntry* entry, std::vector<InputMeta> zero_meta)
+      : entry_(entry), zero_meta_(std::move(zero_meta)) {}
+
+  variable_list apply(variable_list&& grads) override {
+    variable_list out = std::move(grads);
+    for (const auto& meta : zero_meta_) {
+      out.push_back(at::zeros_symint(meta.sizes, meta.options));
+    }
+    return out;
+  }
+
+  std::string name() const override {
+    return entry_->name + "Backward";
+  }
+
+ private:
+  const LeafEntry* entry_;
+  std::vector<InputMeta> zero_meta_;
 };
 
 // An alias of `t` whose gradient flows into a new sink, recorded in `state`.
-at::Tensor sink_alias(const at::Tensor& t, CapturedState& state) {
+// `caller_edge`, if any, is where the sink forwards once activated.
+at::Tensor sink_alias(
+    const at::Tensor& t,
+    CapturedState& state,
+    const Edge* caller_edge = nullptr) {
   at::Tensor alias = t.detach();
   auto sink = c10::make_intrusive<InputSink>(state.leaf_name);
+  if (caller_edge != nullptr) {
+    sink->set_next_edges({*caller_edge});
+  }
   sink->add_input_metadata(alias);
   torch::autograd::impl::set_gradient_edge(alias, Edge(sink, 0));
   state.input_edges.emplace_back(std::move(sink), 0);
@@ -83,43 +124,77 @@ std::string describe(const c10::SymIntArrayRef sizes, at::ScalarType dtype) {
   return ss.str();
 }
 
-// Walks the captured graph from the outputs and reports every tensor that
-// requires grad but is not an input: leaves (AccumulateGrad) and nodes
-// created before the call (the caller's graph, reached through a closure).
-void check_escaped_gradients(
-    const LeafEntry& entry,
-    const CapturedState& state,
-    uint64_t first_sequence_nr) {
-  std::unordered_set<const Node*> sinks;
-  for (const auto& e : state.input_edges) {
-    sinks.insert(e.function.get());
+// Index of `node` among the state's input sinks, or -1. Leaf calls have few
+// inputs: a linear scan beats hashing.
+int64_t sink_index(const CapturedState& state, const Node* node) {
+  for (size_t i = 0; i < state.input_edges.size(); ++i) {
+    if (state.input_edges[i].function.get() == node) {
+      return static_cast<int64_t>(i);
+    }
   }
-  std::unordered_set<const Node*> visited;
-  std::vector<Node*> stack;
+  return -1;
+}
+
+// Walks the captured graph from the outputs and records which inputs the
+// outputs reach. Tensors that require grad but are not inputs (leaves, i.e.
+// AccumulateGrad, and nodes created before the call: the caller's graph,
+// reached through a closure) are reported when `report_escaped`, and
+// otherwise cut off, so that no gradient is computed for them.
+void walk_captured_graph(
+    const LeafEntry& entry,
+    CapturedState& state,
+    uint64_t first_sequence_nr,
+    bool report_escaped) {
+  state.input_reached.assign(state.input_edges.size(), false);
+  auto reach = [&](const Node* fn) {
+    auto i = sink_index(state, fn);
+    if (i >= 0) {
+      state.input_reached[i] = true;
+    }
+    return i >= 0;
+  };
+  c10::SmallVector<const Node*, 32> visited;
+  auto first_visit = [&](const Node* fn) {
+    if (std::find(visited.begin(), visited.end(), fn) != visited.end()) {
+      return false;
+    }
+    visited.push_back(fn);
+    return true;
+  };
+  c10::SmallVector<Node*, 16> stack;
   for (const auto& e : state.output_edges) {
-    if (e.is_valid() && !sinks.count(e.function.get()) &&
-        visited.insert(e.function.get()).second) {
-      stack.push_back(e.function.get());
+    Node* fn = e.function.get();
+    if (fn != nullptr && !reach(fn) && first_visit(fn)) {
+      stack.push_back(fn);
     }
   }
   std::vector<std::string> escaped;
   while (!stack.empty()) {
     Node* node = stack.back();
     stack.pop_back();
-    for (const auto& next : node->next_edges()) {
+    for (auto& next : node->next_edges()) {
       Node* fn = next.function.get();
-      if (fn == nullptr || sinks.count(fn) || !visited.insert(fn).second) {
+      if (fn == nullptr || reach(fn)) {
         continue;
       }
-      if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fn)) {
-        escaped.push_back(describe(
-            acc->variable.sym_sizes(), acc->variable.scalar_type()));
-      } else if (fn->sequence_nr() < first_sequence_nr) {
-        const auto& meta = fn->input_metadata(next.input_nr);
-        escaped.push_back(describe(
-            meta.shape_as_dim_vector(), meta.options().dtype().toScalarType()));
-      } else {
-        stack.push_back(fn);
+      auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fn);
+      if (acc == nullptr && fn->sequence_nr() >= first_sequence_nr) {
+        if (first_visit(fn)) {
+          stack.push_back(fn);
+        }
+        continue;
+      }
+      // An escaped tensor: a leaf that is not an input, or the caller's graph.
+      if (!report_escaped) {
+        next = Edge(); // its gradient is simply not computed
+      } else if (first_visit(fn)) {
+        if (acc != nullptr) {
+          escaped.push_back(describe(acc->variable.sym_sizes(), acc->variable.scalar_type()));
+        } else {
+          const auto& meta = fn->input_metadata(next.input_nr);
+          escaped.push_back(describe(
+              meta.shape_as_dim_vector(), meta.options().dtype().toScalarType()));
+        }
       }
     }
   }
@@ -235,7 +310,8 @@ TensorList run_real(
     const TensorList& inputs,
     const std::vector<bool>& mutable_inputs,
     const std::vector<bool>* capture_mask,
-    std::shared_ptr<CapturedState>* state_out) {
+    std::shared_ptr<CapturedState>* state_out,
+    const torch::autograd::edge_list* caller_edges) {
   RECORD_FUNCTION(entry.name, std::vector<c10::IValue>());
   bool capture = false;
   if (capture_mask != nullptr) {
@@ -267,7 +343,10 @@ TensorList run_real(
     TORCHLEAF_CHECK(
         t.defined(), entry.name, "received an undefined tensor at input ", i);
     if (capture && (*capture_mask)[i]) {
-      inner.push_back(sink_alias(t, *state));
+      const Edge* caller_edge = caller_edges != nullptr
+          ? &(*caller_edges)[state->input_edges.size()]
+          : nullptr;
+      inner.push_back(sink_alias(t, *state, caller_edge));
     } else {
       inner.push_back(t.detach());
     }
@@ -331,9 +410,8 @@ TensorList run_real(
           out.requires_grad() ? torch::autograd::impl::gradient_edge(out)
                               : Edge());
     }
-    if (entry.check_escaped_gradients()) {
-      check_escaped_gradients(entry, *state, first_sequence_nr);
-    }
+    walk_captured_graph(
+        entry, *state, first_sequence_nr, entry.check_escaped_gradients());
     *state_out = std::move(state);
   }
   for (auto& out : outputs) {
@@ -397,68 +475,31 @@ TensorList replay(
   return out;
 }
 
-variable_list differentiable_replay(
-    const std::shared_ptr<CapturedState>& state,
-    const variable_list& grads,
-    edge_list input_next_edges) {
-  TORCH_INTERNAL_ASSERT(input_next_edges.size() == state->input_edges.size());
-  auto backward_state = std::make_shared<CapturedState>();
-  backward_state->leaf_name = state->leaf_name;
-  // Second-order gradients leave through the forward's own sinks (to the
-  // forward's inputs) and through new sinks behind the incoming gradients.
-  backward_state->input_edges = state->input_edges;
-  backward_state->input_meta = state->input_meta;
-  edge_list next_edges = std::move(input_next_edges);
-
-  std::vector<std::optional<at::Tensor>> inner_grads;
-  inner_grads.reserve(grads.size());
-  for (const auto& g : grads) {
-    if (g.defined() && g.requires_grad()) {
-      next_edges.push_back(torch::autograd::impl::gradient_edge(g));
-      inner_grads.emplace_back(sink_alias(g, *backward_state));
-    } else if (g.defined()) {
-      inner_grads.emplace_back(g.detach());
+void attach_to_caller(
+    const LeafEntry& entry,
+    const CapturedState& state,
+    const edge_list& caller_edges,
+    TensorList& outputs) {
+  TORCH_INTERNAL_ASSERT(caller_edges.size() == state.input_edges.size());
+  edge_list router_edges(state.output_edges.begin(), state.output_edges.end());
+  std::vector<InputMeta> zero_meta;
+  for (size_t i = 0; i < caller_edges.size(); ++i) {
+    if (state.input_reached[i]) {
+      static_cast<InputSink*>(state.input_edges[i].function.get())->activate();
     } else {
-      inner_grads.emplace_back(std::nullopt);
+      router_edges.push_back(caller_edges[i]);
+      zero_meta.push_back(state.input_meta[i]);
     }
   }
-  TensorList results;
-  {
-    at::AutoGradMode enable(true);
-    results = replay(*state, inner_grads, /*create_graph=*/true);
+  auto router = c10::make_intrusive<LeafRouter>(&entry, std::move(zero_meta));
+  router->set_next_edges(std::move(router_edges));
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    if (torch::autograd::isDifferentiableType(outputs[k].scalar_type())) {
+      torch::autograd::set_history(outputs[k], router);
+    } else {
+      router->add_input_metadata(Node::undefined_input());
+    }
   }
-  for (const auto& r : results) {
-    backward_state->output_edges.push_back(
-        r.requires_grad() ? torch::autograd::impl::gradient_edge(r) : Edge());
-  }
-  auto node = c10::make_intrusive<ReplayNode>(backward_state);
-  node->set_next_edges(std::move(next_edges));
-  variable_list out;
-  out.reserve(results.size());
-  for (auto& r : results) {
-    at::Tensor detached = r.detach();
-    torch::autograd::set_history(detached, node);
-    out.push_back(std::move(detached));
-  }
-  return out;
-}
-
-variable_list ReplayNode::apply(variable_list&& grads) {
-  TORCH_CHECK(
-      state_ != nullptr,
-      "torchleaf: cannot run a higher-order backward of a leaf function whose "
-      "graph was already released; pass retain_graph=True to the earlier "
-      "backward.");
-  if (at::GradMode::is_enabled()) {
-    edge_list edges(next_edges().begin(), next_edges().end());
-    return differentiable_replay(state_, grads, std::move(edges));
-  }
-  std::vector<std::optional<at::Tensor>> g(grads.begin(), grads.end());
-  return replay(*state_, g, /*create_graph=*/false);
-}
-
-std::string ReplayNode::name() const {
-  return state_ ? *state_->leaf_name + "BackwardBackward" : "torchleaf::ReplayBackward";
 }
 
 } // namespace torchleaf

@@ -19,13 +19,15 @@ namespace torchleaf {
 //
 // With a `capture_mask` that selects at least one input, the function runs
 // under grad mode on aliases of the selected inputs that are cut off from the
-// caller's graph, and the graph it builds is returned in `*state`.
+// caller's graph, and the graph it builds is returned in `*state`. Eager
+// callers pass `caller_edges` (one per selected input) for attach_to_caller.
 TensorList run_real(
     const LeafEntry& entry,
     const TensorList& inputs,
     const std::vector<bool>& mutable_inputs,
     const std::vector<bool>* capture_mask = nullptr,
-    std::shared_ptr<CapturedState>* state = nullptr);
+    std::shared_ptr<CapturedState>* state = nullptr,
+    const torch::autograd::edge_list* caller_edges = nullptr);
 
 // Runs `entry`'s fake function, or fails with "requires a fake implementation".
 TensorList run_fake(const LeafEntry& entry, const TensorList& inputs);
@@ -38,29 +40,17 @@ TensorList replay(
     const std::vector<std::optional<at::Tensor>>& grads,
     bool create_graph);
 
-// Backward of a captured call when the caller asked for a differentiable
-// backward (create_graph=True, eager only): the replay itself is captured, so
-// that its results carry a graph to both `state`'s inputs (reached through
-// `input_next_edges`, one per captured input) and the incoming gradients.
-torch::autograd::variable_list differentiable_replay(
-    const std::shared_ptr<CapturedState>& state,
-    const torch::autograd::variable_list& grads,
-    torch::autograd::edge_list input_next_edges);
-
-// Autograd node that replays a captured state directly (no dispatcher): the
-// backward of a differentiable_replay. Supports any order of derivatives.
-struct ReplayNode final : public torch::autograd::Node {
-  explicit ReplayNode(std::shared_ptr<CapturedState> state)
-      : state_(std::move(state)) {}
-  torch::autograd::variable_list apply(
-      torch::autograd::variable_list&& grads) override;
-  std::string name() const override;
-  void release_variables() override {
-    state_.reset();
-  }
-
- private:
-  std::shared_ptr<CapturedState> state_;
-};
+// Eager mode: connects a captured call straight into the caller's graph, so
+// that backward runs the captured graph as part of the caller's backward (no
+// replay, no handle): the outputs get one node named after the leaf whose
+// edges lead into the captured graph, and each input sink forwards to
+// `caller_edges[i]`, the caller's edge for captured input i. Inputs the
+// outputs do not reach get zeros from that node. Retain_graph and
+// create_graph behave exactly as for any autograd graph.
+void attach_to_caller(
+    const LeafEntry& entry,
+    const CapturedState& state,
+    const torch::autograd::edge_list& caller_edges,
+    TensorList& outputs);
 
 } // namespace torchleaf

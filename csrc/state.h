@@ -25,6 +25,8 @@ struct CapturedState {
   std::vector<torch::autograd::Edge> output_edges; // invalid: no gradient
   std::vector<torch::autograd::Edge> input_edges;
   std::vector<InputMeta> input_meta; // parallel to input_edges
+  // Whether any output's graph reaches input i (parallel to input_edges).
+  std::vector<bool> input_reached;
 };
 
 // Registers `state` and returns its handle: a 0-dim int64 CPU tensor whose

@@ -39,8 +39,10 @@ struct PyLeafError : public torch::PyTorchError {
 
 // ------------------------------------------------------------ Python leaves
 
-// One Python leaf entry: `runner(tensors, call)` runs the user's function,
-// `fake_runner(tensors, call)` its fake; both return a list of tensors.
+// One Python leaf entry: `runner(tensors, call)` runs the user's function and
+// returns (list of tensors, output description); `fake_runner(tensors, call,
+// real_desc)` runs its fake and returns a list of tensors (`real_desc`: the
+// real call's output description when validating it, else None).
 // `call` describes how to rebuild the user's arguments; None means "the call
 // being made on this thread now" (eager calls pass it through _C.call).
 struct PythonLeaf {
@@ -50,6 +52,24 @@ struct PythonLeaf {
 };
 
 thread_local PyObject* t_current_call = nullptr;
+// Output description of the real call that just ran on this thread, handed
+// back to the Python wrapper by _C.call, and to the fake runner when it
+// validates the same call (recognised by receiving the very same inputs).
+thread_local PyObject* t_output_desc = nullptr;
+thread_local const TensorList* t_output_desc_inputs = nullptr;
+
+void set_output_desc(PyObject* desc, const TensorList* inputs = nullptr) {
+  Py_XINCREF(desc);
+  Py_XDECREF(t_output_desc);
+  t_output_desc = desc;
+  t_output_desc_inputs = inputs;
+}
+
+py::object take_output_desc() {
+  PyObject* desc = t_output_desc;
+  t_output_desc = nullptr;
+  return desc ? py::reinterpret_steal<py::object>(desc) : py::none();
+}
 
 TensorList unpack_tensors(const py::handle& result, const std::string& leaf, const char* what) {
   TensorList out;
@@ -87,9 +107,17 @@ TensorList trampoline(
   for (size_t i = 0; i < inputs.size(); ++i) {
     PyList_SET_ITEM(args.ptr(), i, THPVariable_Wrap(inputs[i]));
   }
-  py::object result =
-      (fake ? leaf->fake_runner : leaf->runner)(args, py::handle(call));
-  return unpack_tensors(result, name, fake ? "fake" : "real");
+  if (fake) {
+    // Validation runs the fake on the real call's own inputs.
+    const bool validating = t_output_desc != nullptr && t_output_desc_inputs == &inputs;
+    py::handle real_desc = validating ? py::handle(t_output_desc) : py::handle(Py_None);
+    return unpack_tensors(
+        leaf->fake_runner(args, py::handle(call), real_desc), name, "fake");
+  }
+  py::object result = leaf->runner(args, py::handle(call));
+  TORCH_INTERNAL_ASSERT(PyTuple_Check(result.ptr()) && PyTuple_GET_SIZE(result.ptr()) == 2);
+  set_output_desc(PyTuple_GET_ITEM(result.ptr(), 1), &inputs);
+  return unpack_tensors(PyTuple_GET_ITEM(result.ptr(), 0), name, "real");
 }
 
 int64_t define_python_leaf(
@@ -122,7 +150,7 @@ py::list wrap_tensors(TensorList tensors) {
   return out;
 }
 
-py::list call(int64_t leaf, const TensorList& inputs, const TensorList& mutated, py::handle call) {
+py::tuple call(int64_t leaf, const TensorList& inputs, const TensorList& mutated, py::handle call) {
   HANDLE_TH_ERRORS
   struct CurrentCall {
     PyObject* saved;
@@ -131,6 +159,7 @@ py::list call(int64_t leaf, const TensorList& inputs, const TensorList& mutated,
     }
     ~CurrentCall() {
       t_current_call = saved;
+      set_output_desc(nullptr); // never leave a stale description behind
     }
   } current(call.is_none() ? nullptr : call.ptr());
   TensorList out;
@@ -138,7 +167,8 @@ py::list call(int64_t leaf, const TensorList& inputs, const TensorList& mutated,
     py::gil_scoped_release no_gil;
     out = ops::call(leaf, inputs, mutated);
   }
-  return wrap_tensors(std::move(out));
+  py::object desc = take_output_desc();
+  return py::make_tuple(wrap_tensors(std::move(out)), std::move(desc));
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
@@ -182,7 +212,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("call"),
         "Call leaf `leaf` through torchleaf::call (all dispatch keys), with "
         "`call` as the Python call description for runners that take it from "
-        "the caller. Releases the GIL around the C++ work.");
+        "the caller. Returns (outputs, output description of the real call, "
+        "or None when a tracer ran the fake instead). Releases the GIL around "
+        "the C++ work.");
+
   m.def("run_fake", &run_fake, py::arg("leaf"), py::arg("inputs"),
         py::arg("mutated"), "Run a leaf's fake implementation (C++ leaves).");
   m.def("named_leaves", &named_leaves,

@@ -1,7 +1,7 @@
 # Type stubs for torchleaf._C, the pybind11 bindings over the C++ core.
 # Private: use the torchleaf package. Kept in sync with csrc/python/module.cpp.
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -10,8 +10,8 @@ def _set_error_type(type: type[RuntimeError]) -> None:
 
 def define_python_leaf(
     name: str,
-    runner: Callable[[list[torch.Tensor], Any], list[torch.Tensor]],
-    fake_runner: Callable[[list[torch.Tensor], Any], list[torch.Tensor]],
+    runner: Callable[[list[torch.Tensor], Any], tuple[list[torch.Tensor], Any]],
+    fake_runner: Callable[[list[torch.Tensor], Any, Any], list[torch.Tensor]],
     call: Any,
     validate_outputs: Optional[bool] = None,
     check_escaped_gradients: Optional[bool] = None,
@@ -20,10 +20,14 @@ def define_python_leaf(
     fixed call description passed to the runners, or None to take it from the
     enclosing `call`."""
 
-def call(leaf: int, inputs: list[torch.Tensor], mutated: list[torch.Tensor], call: Any) -> list[torch.Tensor]:
+def call(
+    leaf: int, inputs: Sequence[torch.Tensor], mutated: Sequence[torch.Tensor], call: Any
+) -> tuple[list[torch.Tensor], Any]:
     """Call leaf `leaf` through torchleaf::call (all dispatch keys), with
     `call` as the Python call description for runners that take it from the
-    caller. Releases the GIL around the C++ work."""
+    caller. Returns (outputs, output description of the real call, or None
+    when a tracer ran the fake instead). Releases the GIL around the C++
+    work."""
 
 def run_fake(leaf: int, inputs: list[torch.Tensor], mutated: list[torch.Tensor]) -> list[torch.Tensor]:
     """Run a leaf's fake implementation (C++ leaves)."""

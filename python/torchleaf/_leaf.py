@@ -13,7 +13,6 @@ instead, through the leaf's base id.
 import contextlib
 import functools
 import inspect
-import threading
 import types
 
 import torch
@@ -31,8 +30,6 @@ _MAX_CALLS_PER_LEAF = 256
 
 # Leaf id -> _Call, for every registered call description.
 _CALLS: dict = {}
-# Output description of the last real call on this thread: (call, desc).
-_tls = threading.local()
 
 
 def _module_state(module):
@@ -119,7 +116,7 @@ class _Call:
     parameters named in ``mutates_args``).
     """
 
-    __slots__ = ("leaf", "spec", "template", "order", "mutated_slots", "modules", "out", "id")
+    __slots__ = ("leaf", "spec", "template", "order", "mutated_slots", "modules", "out", "id", "positional")
 
     def __init__(self, leaf, flat, spec, modules):
         self.leaf = leaf
@@ -146,6 +143,11 @@ class _Call:
         self.mutated_slots = tuple(self.mutated_slots)
         self.out = None  # the fake's output description, once traced
         self.id = None
+        # Tensors only, by position: the function takes the operator's inputs as they are.
+        self.positional = (
+            not self.modules and not self.mutated_slots and None not in flat
+            and all(t is None for t in self.template) and spec == pytree.tree_structure((tuple(flat), {}))
+        )
 
     def invoke(self, fn, tensors):
         flat = list(self.template)
@@ -207,14 +209,18 @@ def _register_call(call):
 
 
 def _run_real(tensors, call):
-    """Trampoline target: run the user's function for one call."""
+    """Trampoline target: run the user's function for one call; returns the
+    output tensors and the output description."""
     leaf = call.leaf
     try:
-        out = call.invoke(leaf._fn, tensors)
+        out = leaf._fn(*tensors) if call.positional else call.invoke(leaf._fn, tensors)
     except BaseException as e:
         _add_note(e, f"raised inside the real function of leaf function '{leaf._name}'")
         raise
-    flat, desc = _flatten_output(leaf, out)
+    if type(out) is _Tensor:
+        flat, desc = [out], _SINGLE
+    else:
+        flat, desc = _flatten_output(leaf, out)
     traced = call.out
     if traced is not None and traced is not desc and _structure(traced) != _structure(desc):
         # A compiled graph expects the fake's outputs.
@@ -223,12 +229,12 @@ def _run_real(tensors, call):
             f"its fake implementation.\n  real: {_show(desc)}\n  fake: {_show(traced)}\n"
             f"Make the fake return the same pytree structure as the real function."
         )
-    _tls.out = (call, desc)
-    return flat
+    return flat, desc
 
 
-def _run_fake(tensors, call):
-    """Trampoline target, and the Python fake of torchleaf::call: run the fake."""
+def _run_fake(tensors, call, real_desc=None):
+    """Trampoline target, and the Python fake of torchleaf::call: run the fake.
+    ``real_desc``: the real call's output description, when validating it."""
     leaf = call.leaf
     if leaf._fake is None:
         raise LeafFunctionError(
@@ -244,15 +250,12 @@ def _run_fake(tensors, call):
         raise
     flat, desc = _flatten_output(leaf, out)
     _check_constants(leaf, desc)
-    last = getattr(_tls, "out", None)
-    if last is not None and last[0] is call:
-        # Validation: the real function just ran on these inputs.
-        if _structure(last[1]) != _structure(desc):
-            raise LeafFunctionError(
-                f"torchleaf: leaf function '{leaf._name}' returned a different output structure "
-                f"than its fake implementation.\n  real: {_show(last[1])}\n  fake: {_show(desc)}\n"
-                f"Make the fake return the same pytree structure as the real function."
-            )
+    if real_desc is not None and _structure(real_desc) != _structure(desc):
+        raise LeafFunctionError(
+            f"torchleaf: leaf function '{leaf._name}' returned a different output structure "
+            f"than its fake implementation.\n  real: {_show(real_desc)}\n  fake: {_show(desc)}\n"
+            f"Make the fake return the same pytree structure as the real function."
+        )
     call.out = desc
     return flat
 
@@ -429,7 +432,10 @@ class LeafFunction:
                 if call is None:
                     flat, spec = pytree.tree_flatten((args, {}))
                     call = self._positional[len(args)] = self._lookup_call(flat, spec, (), tracing=True)
-                return self._finish(call, _C.call(call.id, list(args), [], None))
+                outputs, desc = _C.call(call.id, args, (), None)
+                if desc is _SINGLE:
+                    return outputs[0]
+                return _decode(desc if desc is not None else call.out, outputs)
         flat, spec = pytree.tree_flatten((args, kwargs))
         modules = [x for x in flat if isinstance(x, nn.Module)]
         module_tensors = [_module_state(m)[1] for m in modules]
@@ -445,16 +451,12 @@ class LeafFunction:
             return self._finish(call, _C.call(call.id, inputs, mutated, None))
         return self._finish(call, _C.call(self._base_id, inputs, mutated, call))
 
-    def _finish(self, call, tensors):
-        last = getattr(_tls, "out", None)
-        _tls.out = None
-        if last is not None and last[0] is call:
-            desc = last[1]
-        else:  # traced: the fake described the outputs
+    @staticmethod
+    def _finish(call, result):
+        outputs, desc = result
+        if desc is None:  # traced: the fake described the outputs
             desc = call.out
-        if desc is _SINGLE:
-            return tensors[0]
-        return _decode(desc, tensors)
+        return _decode(desc, outputs)
 
     def _check_not_exporting(self):
         if torch.compiler.is_exporting():

@@ -190,25 +190,33 @@ def test_state_is_released_with_the_graph_even_without_backward():
     leaf = _leaf(lambda x, w: (x * w).sum(1), lambda x, w: x.new_empty(x.shape[0]))
     w = torch.randn(8, requires_grad=True)
     x = torch.randn(4, 8)
-    out = leaf(x, w)
+    # Compiled (AOTAutograd saves the state handle for backward).
+    compiled = aot_function(leaf, fw_compiler=nop, bw_compiler=nop)
+    out = compiled(x, w)
     assert torchleaf.live_states() == 1
-    del out
+    del out  # no backward: the graph goes, and the state with it
     assert torchleaf.live_states() == 0
+    # Eager calls attach the captured graph to the caller's graph directly and
+    # keep no state at all.
+    out = leaf(x, w)
+    assert torchleaf.live_states() == 0
+    del out
 
-    def loop(n):
+    def loop(f, n):
         for i in range(n):
-            out = leaf(x, w)
+            out = f(x, w)
             if i % 2:
                 out.sum().backward()
 
-    loop(5_000)  # warm up allocator and caches
-    gc.collect()
-    rss_before = _rss_kib()
-    loop(100_000)
-    gc.collect()
-    assert torchleaf.live_states() == 0
-    growth = _rss_kib() - rss_before
-    assert growth < 8 * 1024, f"resident memory grew by {growth} KiB over 100,000 calls"
+    for f, n in ((leaf, 100_000), (compiled, 20_000)):
+        loop(f, 2_000)  # warm up allocator and caches
+        gc.collect()
+        rss_before = _rss_kib()
+        loop(f, n)
+        gc.collect()
+        assert torchleaf.live_states() == 0
+        growth = _rss_kib() - rss_before
+        assert growth < 8 * 1024, f"resident memory grew by {growth} KiB over {n} calls"
 
 
 def test_escaped_gradients_are_counted_or_ignored():

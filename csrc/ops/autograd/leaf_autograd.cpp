@@ -1,7 +1,14 @@
-// Autograd kernels of the torchleaf operators: pure plumbing. A differentiable
-// call becomes torchleaf::forward (below Autograd) plus a LeafBackward node
-// whose backward is exactly torchleaf::backward, so AOTAutograd records both
-// as operators and nothing per call hides in C++ autograd state.
+// Autograd kernels of the torchleaf operators.
+//
+// Under a tracer (make_fx, AOTAutograd, functorch, fake or functional
+// tensors), a differentiable call becomes torchleaf::forward (below Autograd)
+// plus a LeafBackward node whose backward is exactly torchleaf::backward, so
+// the trace records both as operators and nothing per call hides in C++
+// autograd state.
+//
+// In plain eager mode nothing needs to be recorded, so the captured graph is
+// attached to the caller's graph directly (attach_to_caller): backward then
+// costs what the function's own backward costs, with no replay.
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -9,6 +16,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <torchleaf/errors.h>
@@ -43,23 +51,19 @@ struct LeafBackward final : public Node {
         "cannot run backward: its autograd state was already released by an "
         "earlier backward. Pass retain_graph=True to the first backward to "
         "backpropagate through the same call twice.");
+    TORCHLEAF_CHECK(
+        !(at::GradMode::is_enabled() && is_concrete_handle(state_)),
+        entry_->name,
+        "was recorded by a tracer and cannot be differentiated twice "
+        "(create_graph=True); double backward is supported in eager mode.");
+    c10::List<std::optional<at::Tensor>> g;
+    g.reserve(grads.size());
+    for (auto& t : grads) {
+      g.push_back(t.defined() ? std::optional<at::Tensor>(std::move(t))
+                              : std::nullopt);
+    }
     TensorList input_grads;
-    if (at::GradMode::is_enabled() && is_concrete_handle(state_)) {
-      // create_graph=True in eager mode: a differentiable replay.
-      edge_list edges;
-      edges.reserve(differentiable_.size());
-      for (auto i : differentiable_) {
-        edges.push_back(next_edge(i));
-      }
-      input_grads = differentiable_replay(
-          lookup_state(state_, entry_->name), grads, std::move(edges));
-    } else {
-      c10::List<std::optional<at::Tensor>> g;
-      g.reserve(grads.size());
-      for (auto& t : grads) {
-        g.push_back(t.defined() ? std::optional<at::Tensor>(std::move(t))
-                                : std::nullopt);
-      }
+    {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       input_grads = ops::backward(entry_->id, state_, g, input_meta_);
     }
@@ -108,6 +112,62 @@ TensorList call_autograd_kernel(int64_t leaf, at::TensorList inputs) {
   return call_mutating_autograd_kernel(leaf, inputs, {});
 }
 
+// True when nothing records this call: no Python dispatch mode or functorch
+// transform is active and every input is a plain, non-meta tensor.
+bool is_plain_eager(at::TensorList inputs, at::TensorList mutated) {
+  constexpr auto tracing_keys = c10::DispatchKeySet({
+      c10::DispatchKey::Python,
+      c10::DispatchKey::PythonTLSSnapshot,
+      c10::DispatchKey::Functionalize,
+      c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
+      c10::DispatchKey::FuncTorchDynamicLayerBackMode,
+      c10::DispatchKey::FuncTorchGradWrapper,
+      c10::DispatchKey::FuncTorchBatched,
+      c10::DispatchKey::PreDispatch,
+  });
+  if (c10::impl::tls_local_dispatch_key_set().included_.has_any(tracing_keys)) {
+    return false;
+  }
+  // Meta tensors must reach the Meta kernel (the fake), so they take the
+  // operator path too.
+  for (const auto& t : inputs) {
+    if (t.key_set().has_any(tracing_keys) || t.is_meta()) {
+      return false;
+    }
+  }
+  for (const auto& t : mutated) {
+    if (t.key_set().has_any(tracing_keys) || t.is_meta()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+TensorList call_eager_differentiable(
+    const LeafEntry& entry,
+    at::TensorList inputs,
+    at::TensorList mutated,
+    const std::vector<int64_t>& differentiable) {
+  auto flat = merge_inputs(entry, inputs, mutated);
+  std::vector<bool> mask(flat.tensors.size(), false);
+  edge_list caller_edges;
+  caller_edges.reserve(differentiable.size());
+  for (auto i : differentiable) {
+    mask[flat.input_positions[i]] = true;
+  }
+  // Sinks are created in flat order; match the caller's edges to them.
+  for (size_t pos = 0; pos < flat.tensors.size(); ++pos) {
+    if (mask[pos]) {
+      caller_edges.push_back(torch::autograd::impl::gradient_edge(flat.tensors[pos]));
+    }
+  }
+  std::shared_ptr<CapturedState> state;
+  TensorList outputs =
+      run_real(entry, flat.tensors, flat.is_mutable, &mask, &state, &caller_edges);
+  attach_to_caller(entry, *state, caller_edges, outputs);
+  return outputs;
+}
+
 } // namespace
 
 std::optional<TensorList> call_autograd(
@@ -134,6 +194,9 @@ std::optional<TensorList> call_autograd(
   }
   if (differentiable.empty()) {
     return std::nullopt;
+  }
+  if (is_plain_eager(inputs, mutated)) {
+    return call_eager_differentiable(entry, inputs, mutated, differentiable);
   }
 
   std::vector<c10::SymInt> input_meta;
