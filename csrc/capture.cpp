@@ -414,9 +414,11 @@ TensorList run_real(
         entry, *state, first_sequence_nr, entry.check_escaped_gradients());
     *state_out = std::move(state);
   }
-  for (auto& out : outputs) {
-    if (out.requires_grad()) {
-      out = out.detach();
+  if (caller_edges == nullptr) { // attach_to_caller decides for eager calls
+    for (auto& out : outputs) {
+      if (out.requires_grad()) {
+        out = out.detach();
+      }
     }
   }
   return outputs;
@@ -481,12 +483,23 @@ void attach_to_caller(
     const edge_list& caller_edges,
     TensorList& outputs) {
   TORCH_INTERNAL_ASSERT(caller_edges.size() == state.input_edges.size());
-  edge_list router_edges(state.output_edges.begin(), state.output_edges.end());
-  std::vector<InputMeta> zero_meta;
+  bool all_reached = true;
   for (size_t i = 0; i < caller_edges.size(); ++i) {
     if (state.input_reached[i]) {
       static_cast<InputSink*>(state.input_edges[i].function.get())->activate();
     } else {
+      all_reached = false;
+    }
+  }
+  if (all_reached) {
+    // The common case: the outputs keep their captured graph edges, which
+    // costs nothing in backward.
+    return;
+  }
+  edge_list router_edges(state.output_edges.begin(), state.output_edges.end());
+  std::vector<InputMeta> zero_meta;
+  for (size_t i = 0; i < caller_edges.size(); ++i) {
+    if (!state.input_reached[i]) {
       router_edges.push_back(caller_edges[i]);
       zero_meta.push_back(state.input_meta[i]);
     }
@@ -494,6 +507,9 @@ void attach_to_caller(
   auto router = c10::make_intrusive<LeafRouter>(&entry, std::move(zero_meta));
   router->set_next_edges(std::move(router_edges));
   for (size_t k = 0; k < outputs.size(); ++k) {
+    if (outputs[k].requires_grad()) {
+      outputs[k] = outputs[k].detach();
+    }
     if (torch::autograd::isDifferentiableType(outputs[k].scalar_type())) {
       torch::autograd::set_history(outputs[k], router);
     } else {

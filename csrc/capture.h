@@ -15,7 +15,9 @@ namespace torchleaf {
 // Runs `entry`'s real function on `inputs` (flat order; `mutable_inputs[i]`
 // says whether input i may be mutated in place, empty: none) and checks the
 // call (undeclared mutation, optional output validation). Outputs never
-// alias inputs and never carry autograd history.
+// alias inputs and carry no autograd history, except for eager callers
+// (`caller_edges`), whose outputs keep the captured graph's history for
+// attach_to_caller.
 //
 // With a `capture_mask` that selects at least one input, the function runs
 // under grad mode on aliases of the selected inputs that are cut off from the
@@ -42,11 +44,12 @@ TensorList replay(
 
 // Eager mode: connects a captured call straight into the caller's graph, so
 // that backward runs the captured graph as part of the caller's backward (no
-// replay, no handle): the outputs get one node named after the leaf whose
-// edges lead into the captured graph, and each input sink forwards to
-// `caller_edges[i]`, the caller's edge for captured input i. Inputs the
-// outputs do not reach get zeros from that node. Retain_graph and
-// create_graph behave exactly as for any autograd graph.
+// replay, no handle): each input sink forwards to `caller_edges[i]`, the
+// caller's edge for captured input i, and the outputs keep the captured
+// graph's edges. When some input is not reached, the outputs instead get one
+// node named after the leaf that routes gradients into the captured graph and
+// gives those inputs zeros. Retain_graph and create_graph behave exactly as
+// for any autograd graph.
 void attach_to_caller(
     const LeafEntry& entry,
     const CapturedState& state,
