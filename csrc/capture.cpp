@@ -25,20 +25,21 @@ namespace {
 
 // Stands in for the caller's graph behind each differentiable input of a
 // captured call: gradients stop here and are collected by the engine. It is
-// never executed.
+// never executed. In eager mode it is created with an edge to the caller's
+// graph (so that topological numbers are right from the start), and once the
+// call succeeded the captured graph's edges to it are rewired to that edge
+// and the sink is activated: it then passes gradients through, for graphs
+// that still reach it through saved inputs (double backward).
 struct InputSink final : public Node {
   explicit InputSink(const std::string* leaf_name)
       : Node(/*sequence_nr=*/UINT64_MAX), leaf_name_(leaf_name) {}
 
-  // Eager mode: the sink is created with an edge into the caller's graph
-  // (so topological numbers are right from the start) and activated once the
-  // call succeeded; from then on gradients pass through.
   void activate() {
-    spliced_ = true;
+    active_ = true;
   }
 
   variable_list apply(variable_list&& grads) override {
-    if (spliced_) {
+    if (active_) {
       return std::move(grads);
     }
     // Only reachable when user code inside the leaf runs a backward that
@@ -56,7 +57,7 @@ struct InputSink final : public Node {
 
  private:
   const std::string* leaf_name_;
-  bool spliced_ = false;
+  bool active_ = false;
 };
 
 // Eager mode: the node behind a captured call's outputs. Gradients pass
@@ -146,10 +147,12 @@ void walk_captured_graph(
     uint64_t first_sequence_nr,
     bool report_escaped) {
   state.input_reached.assign(state.input_edges.size(), false);
-  auto reach = [&](const Node* fn) {
-    auto i = sink_index(state, fn);
+  state.sink_uses.clear();
+  auto reach = [&](Edge& edge) {
+    auto i = sink_index(state, edge.function.get());
     if (i >= 0) {
       state.input_reached[i] = true;
+      state.sink_uses.emplace_back(&edge, static_cast<size_t>(i));
     }
     return i >= 0;
   };
@@ -162,9 +165,9 @@ void walk_captured_graph(
     return true;
   };
   c10::SmallVector<Node*, 16> stack;
-  for (const auto& e : state.output_edges) {
+  for (auto& e : state.output_edges) {
     Node* fn = e.function.get();
-    if (fn != nullptr && !reach(fn) && first_visit(fn)) {
+    if (fn != nullptr && !reach(e) && first_visit(fn)) {
       stack.push_back(fn);
     }
   }
@@ -174,7 +177,7 @@ void walk_captured_graph(
     stack.pop_back();
     for (auto& next : node->next_edges()) {
       Node* fn = next.function.get();
-      if (fn == nullptr || reach(fn)) {
+      if (fn == nullptr || reach(next)) {
         continue;
       }
       auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fn);
@@ -483,13 +486,17 @@ void attach_to_caller(
     const edge_list& caller_edges,
     TensorList& outputs) {
   TORCH_INTERNAL_ASSERT(caller_edges.size() == state.input_edges.size());
+  // The captured graph now leads straight into the caller's graph; the sinks
+  // stay only where saved inputs refer to them.
+  for (const auto& [edge, input] : state.sink_uses) {
+    *edge = caller_edges[input];
+  }
+  for (const auto& sink : state.input_edges) {
+    static_cast<InputSink*>(sink.function.get())->activate();
+  }
   bool all_reached = true;
-  for (size_t i = 0; i < caller_edges.size(); ++i) {
-    if (state.input_reached[i]) {
-      static_cast<InputSink*>(state.input_edges[i].function.get())->activate();
-    } else {
-      all_reached = false;
-    }
+  for (bool reached : state.input_reached) {
+    all_reached = all_reached && reached;
   }
   if (all_reached) {
     // The common case: the outputs keep their captured graph edges, which

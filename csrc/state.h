@@ -27,6 +27,10 @@ struct CapturedState {
   std::vector<InputMeta> input_meta; // parallel to input_edges
   // Whether any output's graph reaches input i (parallel to input_edges).
   std::vector<bool> input_reached;
+  // Every edge of the captured graph (node edges and output edges) that
+  // leads to an input sink, with that input's index: eager calls rewire them
+  // to the caller's graph.
+  std::vector<std::pair<torch::autograd::Edge*, size_t>> sink_uses;
 };
 
 // Registers `state` and returns its handle: a 0-dim int64 CPU tensor whose
