@@ -74,15 +74,16 @@ def _register_ops():
     torch.library.register_fake("torchleaf::call_functional", _fake_call_functional)
     torch.library.register_fake("torchleaf::forward_functional", _fake_forward_functional)
     torch.library.register_fake("torchleaf::backward", _fake_backward)
-    # Every operator that reaches a functional graph is ordered. (The mutating
-    # variants cannot carry effects, PyTorch excludes mutable operators; they
-    # are functionalized into the functional variants.)
+    # Every operator that runs user code in a functional graph is ordered.
+    # (The mutating variants cannot carry effects, PyTorch excludes mutable
+    # operators; they are functionalized into the functional variants.)
+    # `backward` only replays a graph captured by its forward, so it needs no
+    # order of its own; leaving it out saves a with_effects wrapper per call.
     for op in (
         torch.ops.torchleaf.call,
         torch.ops.torchleaf.forward,
         torch.ops.torchleaf.call_functional,
         torch.ops.torchleaf.forward_functional,
-        torch.ops.torchleaf.backward,
     ):
         _register_effectful_op(op.default, _EffectType.ORDERED)
     sync_cpp_leaves()
