@@ -29,7 +29,7 @@ test-cpp:
 	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 600
 
 test-python:
-	TORCHLEAF_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m pytest tests/python -q
+	TORCHLEAF_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m pytest tests/python benchmarks/test_quick.py -q
 
 demo: build
 	$(PYTHON) examples/demo.py
