@@ -221,8 +221,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("named_leaves", &named_leaves,
         "[(id, 'ns::name', mutable positions)] for every C++ leaf with a named "
         "operator.");
-  m.def("leaf_name", [](int64_t id) { return get_leaf(id).name; },
-        "The name of leaf `id`.");
   m.def("live_states", &live_states,
         "Number of captured autograd states alive now.");
   m.def("get_validate_outputs", &Config::validate_outputs,

@@ -35,9 +35,6 @@ def run_fake(leaf: int, inputs: list[torch.Tensor], mutated: list[torch.Tensor])
 def named_leaves() -> list[tuple[int, str, list[int]]]:
     """[(id, 'ns::name', mutable positions)] for every C++ leaf with a named operator."""
 
-def leaf_name(id: int) -> str:
-    """The name of leaf `id`."""
-
 def live_states() -> int:
     """Number of captured autograd states alive now."""
 
