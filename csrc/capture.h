@@ -39,8 +39,7 @@ TensorList run_fake(const LeafEntry& entry, const TensorList& inputs);
 // where nothing flows. Never frees the graph.
 TensorList replay(
     const CapturedState& state,
-    const std::vector<std::optional<at::Tensor>>& grads,
-    bool create_graph);
+    const std::vector<std::optional<at::Tensor>>& grads);
 
 // Eager mode: connects a captured call straight into the caller's graph, so
 // that backward runs the captured graph as part of the caller's backward (no

@@ -230,7 +230,7 @@ TensorList backward_kernel(
     c10::SymIntArrayRef /*input_meta*/) {
   const auto& entry = get_leaf(leaf);
   auto captured = lookup_state(state, entry.name);
-  return replay(*captured, to_vector(grads), /*create_graph=*/false);
+  return replay(*captured, to_vector(grads));
 }
 
 TensorList backward_meta(

@@ -249,3 +249,34 @@ def test_escaped_gradients_are_counted_or_ignored():
 
     with pytest.raises(LeafFunctionError, match="uses 1 tensor"):
         uses_graph(x)
+
+
+def test_compiled_backward_paths_agree():
+    """Traced backward replays small CPU graphs inline and everything else
+    with the autograd engine (restricted backward, anomaly mode, hooks);
+    both give the undecorated function's gradients."""
+
+    def fan_out(x, w, unused):
+        y = (x @ w).sin()
+        return y * y + y, (y.exp() * x.sum()).sum()  # shared subexpression, two outputs
+
+    leaf = _leaf(fan_out, lambda x, w, u: (x.new_empty(x.shape[0], w.shape[1]), x.new_empty(())))
+    compiled = aot_function(leaf, fw_compiler=nop, bw_compiler=nop)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+    unused = torch.randn(5, dtype=torch.float64, requires_grad=True)
+
+    def loss(f):
+        a, b = f(x, w, unused)
+        return (a * torch.arange(6.0, dtype=torch.float64).view(3, 2)).sum() + b
+
+    want = torch.autograd.grad(loss(fan_out), (x, w))
+    for x_ in (x, w, unused):
+        x_.grad = None
+    loss(compiled).backward()  # inline replay
+    torch.testing.assert_close((x.grad, w.grad), want)
+    torch.testing.assert_close(unused.grad, torch.zeros(5, dtype=torch.float64))
+    restricted = torch.autograd.grad(loss(compiled), (x, w))  # engine replay
+    torch.testing.assert_close(restricted, want)
+    with torch.autograd.detect_anomaly():
+        torch.testing.assert_close(torch.autograd.grad(loss(compiled), (x, w)), want)
