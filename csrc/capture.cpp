@@ -100,7 +100,9 @@ at::Tensor sink_alias(
   sink->add_input_metadata(alias);
   torch::autograd::impl::set_gradient_edge(alias, Edge(sink, 0));
   state.input_edges.emplace_back(std::move(sink), 0);
-  state.input_meta.push_back(InputMeta{alias.sym_sizes().vec(), alias.options()});
+  if (caller_edge == nullptr) { // eager calls derive it only when needed
+    state.input_meta.push_back(InputMeta{alias.sym_sizes().vec(), alias.options()});
+  }
   return alias;
 }
 
@@ -318,7 +320,7 @@ TensorList run_real(
     const std::vector<bool>* capture_mask,
     std::shared_ptr<CapturedState>* state_out,
     const torch::autograd::edge_list* caller_edges) {
-  RECORD_FUNCTION(entry.name, std::vector<c10::IValue>());
+  RECORD_FUNCTION(entry.name, c10::ArrayRef<const c10::IValue>{});
   bool capture = false;
   if (capture_mask != nullptr) {
     TORCH_INTERNAL_ASSERT(capture_mask->size() == inputs.size());
@@ -607,6 +609,7 @@ void attach_to_caller(
     const LeafEntry& entry,
     const CapturedState& state,
     const edge_list& caller_edges,
+    const TensorList& captured_inputs,
     TensorList& outputs) {
   TORCH_INTERNAL_ASSERT(caller_edges.size() == state.input_edges.size());
   // The captured graph now leads straight into the caller's graph; the sinks
@@ -631,7 +634,8 @@ void attach_to_caller(
   for (size_t i = 0; i < caller_edges.size(); ++i) {
     if (!state.input_reached[i]) {
       router_edges.push_back(caller_edges[i]);
-      zero_meta.push_back(state.input_meta[i]);
+      const auto& t = captured_inputs[i];
+      zero_meta.push_back(InputMeta{t.sym_sizes().vec(), t.options()});
     }
   }
   auto router = c10::make_intrusive<LeafRouter>(&entry, std::move(zero_meta));

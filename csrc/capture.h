@@ -53,6 +53,7 @@ void attach_to_caller(
     const LeafEntry& entry,
     const CapturedState& state,
     const torch::autograd::edge_list& caller_edges,
+    const TensorList& captured_inputs,
     TensorList& outputs);
 
 } // namespace torchleaf

@@ -2,7 +2,6 @@
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/core/stack.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
@@ -29,77 +28,74 @@ bool is_identifier(const std::string& s) {
   return true;
 }
 
-// Pops the named operator's arguments: (Tensor[] inputs[, Tensor[] mutated]).
-std::pair<TensorList, TensorList> pop_inputs(
-    const LeafEntry& entry,
-    torch::jit::Stack* stack) {
-  TensorList mutated;
-  if (!entry.options.mutates_inputs.empty()) {
-    mutated = torch::jit::pop(*stack).toTensorVector();
-  }
-  TensorList inputs = torch::jit::pop(*stack).toTensorVector();
-  return {std::move(inputs), std::move(mutated)};
-}
+using LeafSignature = TensorList(at::TensorList);
+using MutatingLeafSignature = TensorList(at::TensorList, at::TensorList);
 
-// Kernels of a named leaf operator: the same work as torchleaf::call's,
-// bound to one entry.
-struct NamedLeafKernel final : public c10::OperatorKernel {
-  enum class Kind { Real, Fake, Autograd };
-  NamedLeafKernel(const LeafEntry* entry, Kind kind) : entry_(entry), kind_(kind) {}
-
-  void operator()(
-      const c10::OperatorHandle& op,
-      c10::DispatchKeySet keys,
-      torch::jit::Stack* stack) {
-    if (kind_ == Kind::Autograd) {
-      const size_t num_args = op.schema().arguments().size();
-      auto args = torch::jit::last(*stack, num_args);
-      TensorList inputs = args[0].toTensorVector();
-      TensorList mutated = entry_->options.mutates_inputs.empty()
-          ? TensorList()
-          : args[1].toTensorVector();
-      if (auto out = ops::call_autograd(*entry_, inputs, mutated)) {
-        torch::jit::drop(*stack, num_args);
-        torch::jit::push(*stack, std::move(*out));
-        return;
-      }
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
-      op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
-      return;
-    }
-    auto [inputs, mutated] = pop_inputs(*entry_, stack);
-    torch::jit::push(
-        *stack,
-        kind_ == Kind::Real ? ops::call_real(*entry_, inputs, mutated)
-                            : ops::call_fake(*entry_, inputs, mutated));
-  }
-
- private:
-  const LeafEntry* entry_;
-  Kind kind_;
-};
-
-torch::CppFunction kernel(const LeafEntry* entry, NamedLeafKernel::Kind kind) {
-  return torch::CppFunction::makeFromBoxedFunctor(
-      std::make_unique<NamedLeafKernel>(entry, kind));
-}
-
-const c10::OperatorHandle& named_op(const LeafEntry& entry) {
-  // Resolved once per call site is not possible for a runtime-defined op; the
-  // dispatcher lookup is a hash of the name, cached here per entry.
-  thread_local std::vector<std::optional<c10::OperatorHandle>> cache;
+// The typed handle of a named leaf operator, looked up once per entry.
+template <typename Signature>
+const c10::TypedOperatorHandle<Signature>& typed_op(const LeafEntry& entry) {
+  thread_local std::vector<std::optional<c10::TypedOperatorHandle<Signature>>> cache;
   if (cache.size() <= static_cast<size_t>(entry.id)) {
     cache.resize(entry.id + 1);
   }
   auto& slot = cache[entry.id];
   if (!slot) {
-    slot = c10::Dispatcher::singleton().findSchemaOrThrow(entry.name.c_str(), "");
+    slot = c10::Dispatcher::singleton()
+               .findSchemaOrThrow(entry.name.c_str(), "")
+               .typed<Signature>();
   }
   return *slot;
 }
 
-} // namespace
+// Registers the kernels of a named leaf operator: the same work as
+// torchleaf::call's, bound to one entry. Unboxed, so that a call from C++
+// costs no boxing.
+void register_kernels(torch::Library& lib, const std::string& name, const LeafEntry* entry) {
+  const bool mutating = !entry->options.mutates_inputs.empty();
+  auto dispatch = [&](c10::DispatchKey key, auto&& kernel) {
+    lib.impl(name.c_str(), torch::dispatch(key, torch::CppFunction(std::forward<decltype(kernel)>(kernel))));
+  };
+  if (!mutating) {
+    dispatch(c10::DispatchKey::CompositeExplicitAutograd, [entry](at::TensorList in) {
+      return ops::call_real(*entry, in, {});
+    });
+    dispatch(c10::DispatchKey::Meta, [entry](at::TensorList in) {
+      return ops::call_fake(*entry, in, {});
+    });
+    dispatch(c10::DispatchKey::Autograd, [entry](c10::DispatchKeySet keys, at::TensorList in) {
+      if (auto out = ops::call_autograd(*entry, in, {})) {
+        return std::move(*out);
+      }
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      return typed_op<LeafSignature>(*entry).redispatch(
+          keys & c10::after_ADInplaceOrView_keyset, in);
+    });
+    return;
+  }
+  dispatch(c10::DispatchKey::CompositeExplicitAutograd,
+           [entry](at::TensorList in, at::TensorList mutated) {
+             return ops::call_real(*entry, in, mutated);
+           });
+  dispatch(c10::DispatchKey::Meta, [entry](at::TensorList in, at::TensorList mutated) {
+    return ops::call_fake(*entry, in, mutated);
+  });
+  dispatch(c10::DispatchKey::Autograd,
+           [entry](c10::DispatchKeySet keys, at::TensorList in, at::TensorList mutated) {
+             if (auto out = ops::call_autograd(*entry, in, mutated)) {
+               return std::move(*out);
+             }
+             at::AutoDispatchBelowADInplaceOrView below_autograd;
+             return typed_op<MutatingLeafSignature>(*entry).redispatch(
+                 keys & c10::after_ADInplaceOrView_keyset, in, mutated);
+           });
+  // Functionalization: the same as torchleaf::call_mutating's.
+  lib.impl(name.c_str(), torch::dispatch(c10::DispatchKey::Functionalize,
+      torch::CppFunction([entry](at::TensorList in, at::TensorList mutated) {
+        return ops::call_mutating_functionalize(entry->id, in, mutated);
+      })));
+}
 
+} // namespace
 LeafFunction define_leaf(
     const std::string& qualified_name,
     LeafFn real,
@@ -143,13 +139,7 @@ LeafFunction define_leaf(
       (has_mutated ? "(Tensor[] inputs, Tensor(a!)[] mutated) -> Tensor[]"
                    : "(Tensor[] inputs) -> Tensor[]");
   lib->def(schema.c_str());
-  using Kind = NamedLeafKernel::Kind;
-  lib->impl(name.c_str(), torch::dispatch(c10::DispatchKey::Autograd, kernel(&entry, Kind::Autograd)));
-  lib->impl(
-      name.c_str(),
-      torch::dispatch(
-          c10::DispatchKey::CompositeExplicitAutograd, kernel(&entry, Kind::Real)));
-  lib->impl(name.c_str(), torch::dispatch(c10::DispatchKey::Meta, kernel(&entry, Kind::Fake)));
+  register_kernels(*lib, name, &entry);
   entry.library = std::move(lib);
   return LeafFunction(&entry);
 }
@@ -162,28 +152,22 @@ std::optional<LeafFunction> find_leaf(const std::string& qualified_name) {
 }
 
 TensorList LeafFunction::operator()(const TensorList& inputs) const {
-  const auto& op = named_op(*entry_);
-  torch::jit::Stack stack;
   const auto& declared = entry_->options.mutates_inputs;
   if (declared.empty()) {
-    stack.emplace_back(inputs);
-  } else {
-    TensorList plain;
-    TensorList mutated;
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      (entry_->mutates(i) ? mutated : plain).push_back(inputs[i]);
-    }
-    TORCHLEAF_CHECK(
-        mutated.size() == declared.size(),
-        entry_->name,
-        "declares mutable input positions beyond the ",
-        inputs.size(),
-        " inputs it was called with.");
-    stack.emplace_back(std::move(plain));
-    stack.emplace_back(std::move(mutated));
+    return typed_op<LeafSignature>(*entry_).call(inputs);
   }
-  op.callBoxed(stack);
-  return stack.back().toTensorVector();
+  TensorList plain;
+  TensorList mutated;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    (entry_->mutates(i) ? mutated : plain).push_back(inputs[i]);
+  }
+  TORCHLEAF_CHECK(
+      mutated.size() == declared.size(),
+      entry_->name,
+      "declares mutable input positions beyond the ",
+      inputs.size(),
+      " inputs it was called with.");
+  return typed_op<MutatingLeafSignature>(*entry_).call(plain, mutated);
 }
 
 int64_t LeafFunction::id() const {

@@ -24,7 +24,7 @@ struct CapturedState {
   const std::string* leaf_name = nullptr;
   std::vector<torch::autograd::Edge> output_edges; // invalid: no gradient
   std::vector<torch::autograd::Edge> input_edges;
-  std::vector<InputMeta> input_meta; // parallel to input_edges
+  std::vector<InputMeta> input_meta; // parallel to input_edges (traced calls)
   // Whether any output's graph reaches input i (parallel to input_edges).
   std::vector<bool> input_reached;
   // Every edge of the captured graph (node edges and output edges) that

@@ -327,6 +327,8 @@ std::tuple<TensorList, at::Tensor, TensorList> forward_functional_meta(
   return {std::move(out), std::move(state), clone_all(mutated)};
 }
 
+} // namespace
+
 TensorList call_mutating_functionalize(
     int64_t leaf,
     at::TensorList inputs,
@@ -345,6 +347,8 @@ TensorList call_mutating_functionalize(
   write_back(mutated, std::get<1>(out));
   return at::functionalization::impl::to_functional_tensor(std::get<0>(out));
 }
+
+namespace {
 
 std::tuple<TensorList, at::Tensor> forward_mutating_functionalize(
     int64_t leaf,

@@ -82,6 +82,14 @@ std::optional<TensorList> call_autograd(
     at::TensorList inputs,
     at::TensorList mutated);
 
+// Functionalization of a mutating leaf call: the functional variant on the
+// unwrapped inputs, with the new values written back (also the Functionalize
+// kernel of named operators that declare mutation).
+TensorList call_mutating_functionalize(
+    int64_t leaf,
+    at::TensorList inputs,
+    at::TensorList mutated);
+
 // Encoding of differentiable inputs' metadata for `backward`'s fake kernel:
 // per input [dtype, device type, device index, ndim, sizes...].
 void append_input_meta(std::vector<c10::SymInt>& meta, const at::Tensor& t);

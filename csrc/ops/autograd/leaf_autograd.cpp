@@ -150,21 +150,24 @@ TensorList call_eager_differentiable(
     const std::vector<int64_t>& differentiable) {
   auto flat = merge_inputs(entry, inputs, mutated);
   std::vector<bool> mask(flat.tensors.size(), false);
-  edge_list caller_edges;
-  caller_edges.reserve(differentiable.size());
   for (auto i : differentiable) {
     mask[flat.input_positions[i]] = true;
   }
   // Sinks are created in flat order; match the caller's edges to them.
+  edge_list caller_edges;
+  TensorList captured;
+  caller_edges.reserve(differentiable.size());
+  captured.reserve(differentiable.size());
   for (size_t pos = 0; pos < flat.tensors.size(); ++pos) {
     if (mask[pos]) {
       caller_edges.push_back(torch::autograd::impl::gradient_edge(flat.tensors[pos]));
+      captured.push_back(flat.tensors[pos]);
     }
   }
   std::shared_ptr<CapturedState> state;
   TensorList outputs =
       run_real(entry, flat.tensors, flat.is_mutable, &mask, &state, &caller_edges);
-  attach_to_caller(entry, *state, caller_edges, outputs);
+  attach_to_caller(entry, *state, caller_edges, captured, outputs);
   return outputs;
 }
 
