@@ -342,3 +342,21 @@ def test_export_python_leaf_is_a_clear_error():
 
     with pytest.raises(Exception, match="cannot be exported"):
         torch.export.export(Net(), (torch.randn(3),))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_cpp_leaf_declared_mutation_under_compilation(cpp_leaves, backend):
+    ops, _ = cpp_leaves
+
+    def program(x, counter):
+        return ops.count_calls([x], [counter])[0] * 2
+
+    compiled = torch.compile(program, backend=backend, fullgraph=True)
+    x = torch.randn(4, requires_grad=True)
+    counter = torch.zeros(())
+    out = compiled(x, counter)
+    compiled(x, counter)
+    assert counter.item() == 2
+    torch.testing.assert_close(out, x.sin() * 2)
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(gx, 2 * x.cos())
