@@ -1,6 +1,7 @@
 #include "state.h"
 
-#include <ATen/ops/from_blob.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
 
 #include <atomic>
 #include <mutex>
@@ -56,8 +57,20 @@ at::Tensor make_state_handle(std::shared_ptr<CapturedState> state) {
     t.states.emplace(box->id, std::move(state));
   }
   static_assert(offsetof(HandleBox, id) == 0, "the id must be the data");
-  return at::from_blob(
-      box, {}, &release_handle, at::TensorOptions().dtype(at::kLong));
+  // A storage whose deleter is release_handle (a plain function pointer: no
+  // std::function per call, unlike at::from_blob).
+  c10::Storage storage(
+      c10::Storage::use_byte_size_t(),
+      sizeof(int64_t),
+      c10::DataPtr(box, box, &release_handle, c10::Device(c10::kCPU)),
+      /*allocator=*/nullptr,
+      /*resizable=*/false);
+  auto handle = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(storage),
+      c10::DispatchKeySet(c10::DispatchKey::CPU),
+      caffe2::TypeMeta::Make<int64_t>());
+  handle.unsafeGetTensorImpl()->set_sizes_contiguous({});
+  return handle;
 }
 
 bool is_concrete_handle(const at::Tensor& handle) {
