@@ -35,10 +35,10 @@ using MutatingLeafSignature = TensorList(at::TensorList, at::TensorList);
 template <typename Signature>
 const c10::TypedOperatorHandle<Signature>& typed_op(const LeafEntry& entry) {
   thread_local std::vector<std::optional<c10::TypedOperatorHandle<Signature>>> cache;
-  if (cache.size() <= static_cast<size_t>(entry.id)) {
-    cache.resize(entry.id + 1);
+  if (cache.size() <= entry.index) {
+    cache.resize(entry.index + 1);
   }
-  auto& slot = cache[entry.id];
+  auto& slot = cache[entry.index];
   if (!slot) {
     slot = c10::Dispatcher::singleton()
                .findSchemaOrThrow(entry.name.c_str(), "")

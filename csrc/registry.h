@@ -15,7 +15,14 @@ namespace torchleaf {
 // and never destroyed (ids are baked into traced graphs), so kernels may keep
 // plain pointers to them.
 struct TORCHLEAF_API LeafEntry {
+  // The id graphs refer to. PyTorch's on-disk compilation caches may reuse a
+  // graph compiled in another process, so an id must mean the same leaf in
+  // every process or in none: C++ leaves take a hash of their name (the same
+  // library defines the same leaf), Python leaves a per-process random prefix
+  // plus `index` (their call structures are process-local).
   int64_t id = -1;
+  // Dense position in the registry, for per-entry caches.
+  size_t index = 0;
   // "ns::name" for C++ leaves; the Python qualname for Python leaves.
   std::string name;
   LeafFn real;

@@ -360,3 +360,51 @@ def test_cpp_leaf_declared_mutation_under_compilation(cpp_leaves, backend):
     torch.testing.assert_close(out, x.sin() * 2)
     (gx,) = torch.autograd.grad(out.sum(), x)
     torch.testing.assert_close(gx, 2 * x.cos())
+
+
+_CACHE_SCRIPT = r"""
+import sys, torch, torchleaf
+library, python_first = sys.argv[1], sys.argv[2] == "python-first"
+
+def python_leaves():
+    for k in range(5):  # shifts the registry positions of what comes after
+        torchleaf.leaf_function(lambda x, k=k: x + k).register_fake(torch.empty_like)
+
+if python_first:
+    python_leaves()
+torchleaf.load_library(library)
+if not python_first:
+    python_leaves()
+ops = torch.ops.torchleaf_test
+x = torch.randn(4, requires_grad=True)
+counter = torch.zeros(())
+compiled = torch.compile(lambda x, c: ops.count_calls([x], [c])[0] * 2, backend="inductor", fullgraph=True)
+out = compiled(x, counter)
+torch.testing.assert_close(out, x.sin() * 2)
+torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], 2 * x.cos())
+assert counter.item() == 1
+print("ok")
+"""
+
+
+def test_on_disk_compile_caches_never_mix_leaves(cpp_leaves, tmp_path):
+    """Processes that register leaves in a different order share PyTorch's
+    on-disk compilation caches (AOTAutograd's is keyed by the Dynamo graph,
+    where a C++ leaf is its named operator); each must still run its own
+    leaf."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import _test_library_path
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    for order in ("python-first", "cpp-first", "python-first"):
+        proc = subprocess.run(
+            [sys.executable, "-c", _CACHE_SCRIPT, _test_library_path(), order],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
