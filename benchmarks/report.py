@@ -255,6 +255,15 @@ def markdown(*, info, settings_note, results, cpp, cpp_error, memory, targets, p
             out.append(f"| {label} | {fwd:.2f} | {fb:.2f} | {fb - plain_fb:+.2f} |")
         out += [
             "",
+            "Backward alone (fwd+bwd minus fwd): "
+            + ", ".join(
+                f"{label} {res[f'BM_{name}_FwdBwd']['time_us'] - res[f'BM_{name}_Fwd']['time_us']:.2f} µs"
+                for name, label in (("Plain", "plain"), ("Function", "Function"), ("Leaf", "leaf"))
+            )
+            + ". An eager leaf's backward is the body's own autograd graph, wired into the caller's "
+            "graph (here MulBackward and AddBackward, as for plain code); the hand-written Function "
+            "runs one node. What the leaf adds beyond that is in its forward.",
+            "",
             f"Leaf minus hand-written Function: fwd {cpp_difference(cpp, 'Fwd'):+.2f} µs, "
             f"fwd+bwd {cpp_difference(cpp, 'FwdBwd'):+.2f} µs. "
             f"torchleaf::live_states() after each benchmark: "
