@@ -26,6 +26,13 @@ from ._errors import LeafFunctionError
 _Tensor = torch.Tensor
 _TENSOR = "\x00torchleaf:tensor"  # stands for a tensor in a call's skeleton
 _MODULE = "\x00torchleaf:module"  # stands for an nn.Module in a call's skeleton
+# Stand for an int that a compiled program passes as the size of a carrier
+# tensor, so that it may stay symbolic (Dynamo makes a changing int dynamic).
+_INT = "\x00torchleaf:int"
+_NEGATIVE_INT = "\x00torchleaf:-int"
+
+# Kinds of operator inputs in a _Call's order.
+_IN_TENSOR, _IN_MODULE, _IN_INT, _IN_NEGATIVE_INT = range(4)
 _MAX_CALLS_PER_LEAF = 256
 
 # Leaf id -> _Call, for every registered call description.
@@ -122,7 +129,7 @@ class _Call:
         self.leaf = leaf
         self.spec = spec
         self.template = list(flat)
-        self.order = []  # (is_module, flat position) per input group
+        self.order = []  # (input kind, flat position) per input group
         self.modules = []  # (module, parameter and buffer names)
         mutated_positions = leaf._mutated_positions(flat, spec)
         self.mutated_slots = []
@@ -133,19 +140,23 @@ class _Call:
                 if i in mutated_positions:
                     self.mutated_slots.append(i)
                 else:
-                    self.order.append((False, i))
+                    self.order.append((_IN_TENSOR, i))
             elif x is _MODULE or isinstance(x, nn.Module):
                 module = next(module_iter)
                 self.template[i] = module
                 self.modules.append((module, _module_state(module)[0]))
-                self.order.append((True, i))
+                self.order.append((_IN_MODULE, i))
+            elif x is _INT or x is _NEGATIVE_INT:
+                self.template[i] = None
+                self.order.append((_IN_INT if x is _INT else _IN_NEGATIVE_INT, i))
         self.order = tuple(self.order)
         self.mutated_slots = tuple(self.mutated_slots)
         self.out = None  # the fake's output description, once traced
         self.id = None
         # Tensors only, by position: the function takes the operator's inputs as they are.
         self.positional = (
-            not self.modules and not self.mutated_slots and None not in flat
+            all(kind == _IN_TENSOR for kind, _ in self.order)
+            and not self.mutated_slots and None not in flat
             and all(t is None for t in self.template) and spec == pytree.tree_structure((tuple(flat), {}))
         )
 
@@ -154,15 +165,19 @@ class _Call:
         k = 0
         bindings = []
         module_index = 0
-        for is_module, pos in self.order:
-            if is_module:
+        for kind, pos in self.order:
+            if kind == _IN_MODULE:
                 module, names = self.modules[module_index]
                 module_index += 1
                 bindings.append((module, dict(zip(names, tensors[k : k + len(names)]))))
                 k += len(names)
-            else:
+                continue
+            if kind == _IN_TENSOR:
                 flat[pos] = tensors[k]
-                k += 1
+            else:  # an int carried as a size
+                size = tensors[k].shape[0]
+                flat[pos] = size if kind == _IN_INT else -size
+            k += 1
         for pos in self.mutated_slots:
             flat[pos] = tensors[k]
             k += 1
@@ -190,8 +205,8 @@ class _Call:
         """The operator's (inputs, mutated) lists for the flat leaves of a call."""
         inputs = []
         module_index = 0
-        for is_module, pos in self.order:
-            if is_module:
+        for kind, pos in self.order:  # eager calls never carry ints
+            if kind == _IN_MODULE:
                 inputs.extend(module_tensors[module_index])
                 module_index += 1
             else:
@@ -483,17 +498,24 @@ class LeafFunction:
                 module_tensors.append(
                     [p for _, p in x.named_parameters()] + [b for _, b in x.named_buffers()]
                 )
+            elif isinstance(x, int) and not isinstance(x, bool):
+                # May be symbolic: its value reaches the function through a
+                # carrier's size instead of a graph constant.
+                skeleton.append(_INT if x >= 0 else _NEGATIVE_INT)
             else:
                 skeleton.append(x)
         call_id, order, mutated_slots = _intern_for_compile(self, pytree.tree_unflatten(skeleton, spec), *modules)
         inputs = []
         module_index = 0
-        for is_module, pos in order:
-            if is_module:
+        for kind, pos in order:
+            if kind == _IN_MODULE:
                 inputs.extend(module_tensors[module_index])
                 module_index += 1
-            else:
+            elif kind == _IN_TENSOR:
                 inputs.append(flat[pos])
+            else:  # a zero-stride carrier: no memory, size = the int
+                size = flat[pos] if kind == _IN_INT else -flat[pos]
+                inputs.append(torch.empty(()).expand(size))
         mutated = [flat[pos] for pos in mutated_slots]
         if mutated:
             outputs = torch.ops.torchleaf.call_mutating(call_id, inputs, mutated)

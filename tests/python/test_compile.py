@@ -408,3 +408,32 @@ def test_on_disk_compile_caches_never_mix_leaves(cpp_leaves, tmp_path):
             timeout=600,
         )
         assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_changing_int_arguments_stay_symbolic(backend):
+    """Dynamo makes an int that changes between calls dynamic; the leaf gets
+    the right value each call (the real function a Python int, the fake a
+    symbolic one it can use for shapes) without a recompile per value."""
+    seen = []
+
+    @torchleaf.leaf_function
+    def repeat(x, n, offset):
+        seen.append(n)
+        return x * n + offset, x.new_ones(abs(n))
+
+    @repeat.register_fake
+    def _(x, n, offset):
+        return torch.empty_like(x), x.new_empty(abs(n))
+
+    cnt = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(lambda x, n: repeat(x, n, -2), backend=cnt, fullgraph=True)
+    x = torch.randn(3, requires_grad=True)
+    values = [2, 3, 4, 5, 6, 7, 8, 9]
+    for n in values:
+        out, ones = compiled(x, n)
+        torch.testing.assert_close(out, x * n - 2)
+        assert ones.shape == (n,)
+        torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], torch.full((3,), float(n)))
+    assert seen == values
+    assert cnt.frame_count <= 2  # static first, then dynamic
