@@ -498,7 +498,7 @@ class LeafFunction:
                 module_tensors.append(
                     [p for _, p in x.named_parameters()] + [b for _, b in x.named_buffers()]
                 )
-            elif isinstance(x, int) and not isinstance(x, bool):
+            elif type(x) is int:  # not bool or IntEnum: those stay constants
                 # May be symbolic: its value reaches the function through a
                 # carrier's size instead of a graph constant.
                 skeleton.append(_INT if x >= 0 else _NEGATIVE_INT)
