@@ -34,8 +34,8 @@ namespace {
 // and the sink is activated: it then passes gradients through, for graphs
 // that still reach it through saved inputs (double backward).
 struct InputSink final : public Node {
-  explicit InputSink(const std::string* leaf_name)
-      : Node(/*sequence_nr=*/UINT64_MAX), leaf_name_(leaf_name) {}
+  explicit InputSink(LeafEntryPtr entry)
+      : Node(/*sequence_nr=*/UINT64_MAX), entry_(std::move(entry)) {}
 
   void activate() {
     active_ = true;
@@ -48,7 +48,7 @@ struct InputSink final : public Node {
     // Only reachable when user code inside the leaf runs a backward that
     // accumulates into the leaf's inputs.
     detail::throw_leaf_error(
-        *leaf_name_,
+        entry_->name,
         "ran .backward() through its own inputs inside its real function; "
         "gradients cannot be accumulated into a leaf's inputs from inside "
         "the leaf. Use torch.autograd.grad(outputs, inputs) there, or move "
@@ -59,15 +59,15 @@ struct InputSink final : public Node {
   }
 
  private:
-  const std::string* leaf_name_;
+  LeafEntryPtr entry_;
   bool active_ = false;
 };
 
 // Eager mode: the node behind a captured call's outputs. Gradients pass
 // through to the captured graph; unreached inputs get zeros.
 struct LeafRouter final : public Node {
-  LeafRouter(const LeafEntry* entry, std::vector<InputMeta> zero_meta)
-      : entry_(entry), zero_meta_(std::move(zero_meta)) {}
+  LeafRouter(LeafEntryPtr entry, std::vector<InputMeta> zero_meta)
+      : entry_(std::move(entry)), zero_meta_(std::move(zero_meta)) {}
 
   variable_list apply(variable_list&& grads) override {
     variable_list out = std::move(grads);
@@ -82,7 +82,7 @@ struct LeafRouter final : public Node {
   }
 
  private:
-  const LeafEntry* entry_;
+  LeafEntryPtr entry_;
   std::vector<InputMeta> zero_meta_;
 };
 
@@ -93,7 +93,7 @@ at::Tensor sink_alias(
     CapturedState& state,
     const Edge* caller_edge = nullptr) {
   at::Tensor alias = t.detach();
-  auto sink = c10::make_intrusive<InputSink>(state.leaf_name);
+  auto sink = c10::make_intrusive<InputSink>(state.entry);
   if (caller_edge != nullptr) {
     sink->set_next_edges({*caller_edge});
   }
@@ -225,11 +225,12 @@ void walk_captured_graph(
 void validate_outputs(
     const LeafEntry& entry,
     const TensorList& inputs,
-    const TensorList& real) {
+    const TensorList& real,
+    CallSite& site) {
   TensorList fake;
   {
     at::NoGradGuard no_grad;
-    fake = run_fake(entry, inputs);
+    fake = run_fake(entry, inputs, site); // site.result: the real description
   }
   TORCHLEAF_CHECK(
       fake.size() == real.size(),
@@ -290,7 +291,7 @@ void validate_outputs(
 
 } // namespace
 
-TensorList run_fake(const LeafEntry& entry, const TensorList& inputs) {
+TensorList run_fake(const LeafEntry& entry, const TensorList& inputs, CallSite& site) {
   TORCHLEAF_CHECK(
       static_cast<bool>(entry.fake),
       entry.name,
@@ -301,7 +302,7 @@ TensorList run_fake(const LeafEntry& entry, const TensorList& inputs) {
       ".register_fake (Python) or pass a fake LeafFn to "
       "torchleaf::define_leaf (C++); it must return outputs with the same "
       "structure, shapes and dtypes as the real function.");
-  TensorList outputs = entry.fake(inputs);
+  TensorList outputs = entry.fake(inputs, site);
   for (size_t i = 0; i < outputs.size(); ++i) {
     TORCHLEAF_CHECK(
         outputs[i].defined(),
@@ -317,6 +318,7 @@ TensorList run_real(
     const LeafEntry& entry,
     const TensorList& inputs,
     const std::vector<bool>& mutable_inputs,
+    CallSite& site,
     const std::vector<bool>* capture_mask,
     std::shared_ptr<CapturedState>* state_out,
     const torch::autograd::edge_list* caller_edges) {
@@ -331,7 +333,7 @@ TensorList run_real(
   std::shared_ptr<CapturedState> state;
   if (capture) {
     state = std::make_shared<CapturedState>();
-    state->leaf_name = &entry.name;
+    state->entry = entry.shared_from_this();
   }
 
   AutogradKeysGuard keys(capture || !c10::InferenceMode::is_enabled());
@@ -364,7 +366,7 @@ TensorList run_real(
   const uint64_t first_sequence_nr = at::sequence_number::peek();
   TensorList outputs;
   try {
-    outputs = entry.real(inner);
+    outputs = entry.real(inner, site);
   } catch (c10::Error& e) {
     if (dynamic_cast<LeafError*>(&e) == nullptr) {
       e.add_context("while running the real function of leaf function '" +
@@ -394,7 +396,7 @@ TensorList run_real(
         "; it must return tensors.");
   }
   if (entry.validate_outputs()) {
-    validate_outputs(entry, inner, outputs);
+    validate_outputs(entry, inner, outputs, site);
   }
 
   // An operator's outputs may not alias its inputs or each other.
@@ -426,6 +428,14 @@ TensorList run_real(
     for (auto& out : outputs) {
       if (out.requires_grad()) {
         out = out.detach();
+      }
+      // A graph owns its operators' outputs: Inductor reuses a dead output's
+      // buffer for an in-place kernel. An output whose storage something
+      // else still holds -- the captured graph saved it for backward (tanh,
+      // exp, sigmoid do), or it is a view of a global or a cache -- would be
+      // corrupted by that, so the graph gets a copy.
+      if (out.has_storage() && out.storage().use_count() > 1) {
+        out = out.clone();
       }
     }
   }
@@ -555,7 +565,7 @@ TensorList replay(
     const std::vector<std::optional<at::Tensor>>& grads) {
   TORCHLEAF_CHECK(
       grads.size() == state.output_edges.size(),
-      *state.leaf_name,
+      state.entry->name,
       "backward received ",
       grads.size(),
       " gradient(s) for ",
@@ -586,7 +596,7 @@ TensorList replay(
     } catch (c10::Error& e) {
       if (dynamic_cast<LeafError*>(&e) == nullptr) {
         e.add_context("while running the backward of leaf function '" +
-                      *state.leaf_name + "'");
+                      state.entry->name + "'");
       }
       throw;
     }
@@ -638,7 +648,7 @@ void attach_to_caller(
       zero_meta.push_back(InputMeta{t.sym_sizes().vec(), t.options()});
     }
   }
-  auto router = c10::make_intrusive<LeafRouter>(&entry, std::move(zero_meta));
+  auto router = c10::make_intrusive<LeafRouter>(entry.shared_from_this(), std::move(zero_meta));
   router->set_next_edges(std::move(router_edges));
   for (size_t k = 0; k < outputs.size(); ++k) {
     if (outputs[k].requires_grad()) {

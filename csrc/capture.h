@@ -23,16 +23,20 @@ namespace torchleaf {
 // under grad mode on aliases of the selected inputs that are cut off from the
 // caller's graph, and the graph it builds is returned in `*state`. Eager
 // callers pass `caller_edges` (one per selected input) for attach_to_caller.
+//
+// `site` carries the call's plan and arguments to the implementation, and
+// receives its output description.
 TensorList run_real(
     const LeafEntry& entry,
     const TensorList& inputs,
     const std::vector<bool>& mutable_inputs,
+    CallSite& site,
     const std::vector<bool>* capture_mask = nullptr,
     std::shared_ptr<CapturedState>* state = nullptr,
     const torch::autograd::edge_list* caller_edges = nullptr);
 
 // Runs `entry`'s fake function, or fails with "requires a fake implementation".
-TensorList run_fake(const LeafEntry& entry, const TensorList& inputs);
+TensorList run_fake(const LeafEntry& entry, const TensorList& inputs, CallSite& site);
 
 // Backpropagates `grads` (one per output; nullopt/undefined: no gradient)
 // through `state`'s graph and returns one gradient per captured input, zeros

@@ -31,20 +31,11 @@ bool is_identifier(const std::string& s) {
 using LeafSignature = TensorList(at::TensorList);
 using MutatingLeafSignature = TensorList(at::TensorList, at::TensorList);
 
-// The typed handle of a named leaf operator, looked up once per entry.
+// The typed handle of a named leaf operator (typed() only re-checks the
+// signature in debug builds).
 template <typename Signature>
-const c10::TypedOperatorHandle<Signature>& typed_op(const LeafEntry& entry) {
-  thread_local std::vector<std::optional<c10::TypedOperatorHandle<Signature>>> cache;
-  if (cache.size() <= entry.index) {
-    cache.resize(entry.index + 1);
-  }
-  auto& slot = cache[entry.index];
-  if (!slot) {
-    slot = c10::Dispatcher::singleton()
-               .findSchemaOrThrow(entry.name.c_str(), "")
-               .typed<Signature>();
-  }
-  return *slot;
+c10::TypedOperatorHandle<Signature> typed_op(const LeafEntry& entry) {
+  return entry.named_op->typed<Signature>();
 }
 
 // Registers the kernels of a named leaf operator: the same work as
@@ -57,13 +48,16 @@ void register_kernels(torch::Library& lib, const std::string& name, const LeafEn
   };
   if (!mutating) {
     dispatch(c10::DispatchKey::CompositeExplicitAutograd, [entry](at::TensorList in) {
-      return ops::call_real(*entry, in, {});
+      CallSite site;
+      return ops::call_real(*entry, in, {}, site);
     });
     dispatch(c10::DispatchKey::Meta, [entry](at::TensorList in) {
-      return ops::call_fake(*entry, in, {});
+      CallSite site;
+      return ops::call_fake(*entry, in, {}, site);
     });
     dispatch(c10::DispatchKey::Autograd, [entry](c10::DispatchKeySet keys, at::TensorList in) {
-      if (auto out = ops::call_autograd(*entry, in, {})) {
+      CallSite site;
+      if (auto out = ops::call_autograd(*entry, in, {}, site)) {
         return std::move(*out);
       }
       at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -74,14 +68,17 @@ void register_kernels(torch::Library& lib, const std::string& name, const LeafEn
   }
   dispatch(c10::DispatchKey::CompositeExplicitAutograd,
            [entry](at::TensorList in, at::TensorList mutated) {
-             return ops::call_real(*entry, in, mutated);
+             CallSite site;
+             return ops::call_real(*entry, in, mutated, site);
            });
   dispatch(c10::DispatchKey::Meta, [entry](at::TensorList in, at::TensorList mutated) {
-    return ops::call_fake(*entry, in, mutated);
+    CallSite site;
+    return ops::call_fake(*entry, in, mutated, site);
   });
   dispatch(c10::DispatchKey::Autograd,
            [entry](c10::DispatchKeySet keys, at::TensorList in, at::TensorList mutated) {
-             if (auto out = ops::call_autograd(*entry, in, mutated)) {
+             CallSite site;
+             if (auto out = ops::call_autograd(*entry, in, mutated, site)) {
                return std::move(*out);
              }
              at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -91,7 +88,7 @@ void register_kernels(torch::Library& lib, const std::string& name, const LeafEn
   // Functionalization: the same as torchleaf::call_mutating's.
   lib.impl(name.c_str(), torch::dispatch(c10::DispatchKey::Functionalize,
       torch::CppFunction([entry](at::TensorList in, at::TensorList mutated) {
-        return ops::call_mutating_functionalize(entry->id, in, mutated);
+        return ops::call_mutating_functionalize(entry->id, /*plan=*/0, in, mutated);
       })));
 }
 
@@ -124,29 +121,41 @@ LeafFunction define_leaf(
   }
   std::sort(options.mutates_inputs.begin(), options.mutates_inputs.end());
 
-  auto owned = std::make_unique<LeafEntry>();
-  owned->name = qualified_name;
-  owned->real = std::move(real);
-  owned->fake = std::move(fake);
-  owned->options = std::move(options);
-  owned->has_named_op = true;
-  LeafEntry& entry = register_leaf(std::move(owned));
+  // Nothing is published until the operator is defined: a failed
+  // definition leaves no trace, and defining the name again may succeed.
+  check_name_free(qualified_name);
+  auto entry = std::make_shared<LeafEntry>();
+  entry->name = qualified_name;
+  entry->real = [fn = std::move(real)](const TensorList& in, CallSite&) {
+    return fn(in);
+  };
+  if (fake) {
+    entry->fake = [fn = std::move(fake)](const TensorList& in, CallSite&) {
+      return fn(in);
+    };
+  }
+  entry->options = std::move(options);
+  entry->id = named_leaf_id(qualified_name);
 
-  const bool has_mutated = !entry.options.mutates_inputs.empty();
+  const bool has_mutated = !entry->options.mutates_inputs.empty();
   auto lib = std::make_unique<torch::Library>(
       torch::Library::FRAGMENT, ns, std::nullopt, __FILE__, __LINE__);
   const std::string schema = name +
       (has_mutated ? "(Tensor[] inputs, Tensor(a!)[] mutated) -> Tensor[]"
                    : "(Tensor[] inputs) -> Tensor[]");
   lib->def(schema.c_str());
-  register_kernels(*lib, name, &entry);
-  entry.library = std::move(lib);
-  return LeafFunction(&entry);
+  register_kernels(*lib, name, entry.get());
+  entry->named_op =
+      c10::Dispatcher::singleton().findSchemaOrThrow(qualified_name.c_str(), "");
+  entry->library = std::move(lib);
+  const LeafEntry* published = entry.get(); // immortal once registered
+  register_leaf(std::move(entry));
+  return LeafFunction(published);
 }
 
 std::optional<LeafFunction> find_leaf(const std::string& qualified_name) {
-  if (const auto* entry = find_leaf_entry(qualified_name)) {
-    return LeafFunction(entry);
+  if (auto entry = find_leaf_entry(qualified_name)) {
+    return LeafFunction(entry.get()); // named entries are immortal
   }
   return std::nullopt;
 }

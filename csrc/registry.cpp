@@ -1,5 +1,6 @@
 #include "registry.h"
 
+#include <atomic>
 #include <mutex>
 #include <random>
 #include <shared_mutex>
@@ -11,38 +12,29 @@
 namespace torchleaf {
 namespace {
 
-constexpr int kIndexBits = 24;
-constexpr int64_t kIndexMask = (int64_t{1} << kIndexBits) - 1;
+constexpr int kCounterBits = 24;
 // Set in the ids of named (C++) leaves, never in the others.
 constexpr int64_t kNamedBit = int64_t{1} << 62;
 
-int64_t named_id(const std::string& name) {
-  uint64_t hash = 14695981039346656037ull; // FNV-1a
-  for (unsigned char c : name) {
-    hash = (hash ^ c) * 1099511628211ull;
-  }
-  return kNamedBit | static_cast<int64_t>(hash & (kNamedBit - 1));
-}
-
 int64_t random_prefix() {
   std::random_device device;
-  std::uniform_int_distribution<int64_t> prefix(1, (int64_t{1} << 38) - 1);
+  std::uniform_int_distribution<int64_t> prefix(1, (int64_t{1} << 37) - 1);
   return prefix(device);
 }
 
 struct Registry {
   const int64_t prefix = random_prefix();
+  int64_t next_counter = 0; // under `mutex`
   std::shared_mutex mutex;
-  // Owned, never freed: see LeafEntry.
-  std::vector<LeafEntry*> entries;
-  std::unordered_map<std::string, int64_t> named; // name -> index
-  std::unordered_map<int64_t, size_t> named_ids; // id -> index
+  std::unordered_map<int64_t, std::shared_ptr<LeafEntry>> by_id;
+  std::unordered_map<std::string, int64_t> named; // name -> id
+  std::vector<int64_t> named_order; // definition order
 };
 
 Registry& registry() {
   // Leaked on purpose: kernels may run during static destruction of other
-  // libraries, and entries hold Python objects that must not be destroyed
-  // after the interpreter is gone.
+  // libraries, and Python entries must not be destroyed after the
+  // interpreter is gone.
   static auto* instance = new Registry();
   return *instance;
 }
@@ -67,85 +59,125 @@ bool LeafEntry::mutates(size_t flat_position) const {
   return false;
 }
 
-LeafEntry& register_leaf(std::unique_ptr<LeafEntry> entry) {
+int64_t named_leaf_id(const std::string& name) {
+  uint64_t hash = 14695981039346656037ull; // FNV-1a
+  for (unsigned char c : name) {
+    hash = (hash ^ c) * 1099511628211ull;
+  }
+  return kNamedBit | static_cast<int64_t>(hash & (kNamedBit - 1));
+}
+
+void check_name_free(const std::string& name) {
+  auto& reg = registry();
+  std::shared_lock<std::shared_mutex> lock(reg.mutex);
+  TORCHLEAF_CHECK(
+      reg.named.count(name) == 0,
+      name,
+      "is already defined. Each leaf function needs a unique "
+      "\"namespace::name\"; pick another name or reuse the existing leaf "
+      "(torchleaf::find_leaf).");
+}
+
+int64_t register_leaf(std::shared_ptr<LeafEntry> entry) {
   auto& reg = registry();
   std::unique_lock<std::shared_mutex> lock(reg.mutex);
-  if (entry->has_named_op) {
+  if (entry->has_named_op()) {
     TORCHLEAF_CHECK(
         reg.named.count(entry->name) == 0,
         entry->name,
         "is already defined. Each leaf function needs a unique "
         "\"namespace::name\"; pick another name or reuse the existing leaf "
         "(torchleaf::find_leaf).");
-  }
-  TORCH_CHECK(
-      static_cast<int64_t>(reg.entries.size()) < kIndexMask,
-      "torchleaf: too many leaf functions and call structures registered (",
-      reg.entries.size(),
-      "); a Python leaf called with ever-changing constants under a tracer "
-      "registers one per distinct call.");
-  entry->index = reg.entries.size();
-  if (entry->has_named_op) {
-    entry->id = named_id(entry->name);
+    entry->id = named_leaf_id(entry->name);
+    auto clash = reg.by_id.find(entry->id);
     TORCH_CHECK(
-        reg.named_ids.count(entry->id) == 0,
+        clash == reg.by_id.end(),
         "torchleaf: the names '",
         entry->name,
         "' and '",
-        reg.entries[reg.named_ids[entry->id]]->name,
+        clash == reg.by_id.end() ? "" : clash->second->name,
         "' hash to the same leaf id; rename one of them.");
+    reg.named.emplace(entry->name, entry->id);
+    reg.named_order.push_back(entry->id);
   } else {
-    entry->id = (reg.prefix << kIndexBits) | static_cast<int64_t>(entry->index);
+    TORCH_CHECK(
+        reg.next_counter < (int64_t{1} << kCounterBits),
+        "torchleaf: more than ",
+        int64_t{1} << kCounterBits,
+        " Python leaf functions were defined in this process; define leaves "
+        "once (at module level) rather than per call.");
+    entry->id = (reg.prefix << kCounterBits) | reg.next_counter++;
   }
-  LeafEntry* raw = entry.release();
-  reg.entries.push_back(raw);
-  if (raw->has_named_op) {
-    reg.named.emplace(raw->name, raw->index);
-    reg.named_ids.emplace(raw->id, raw->index);
-  }
-  return *raw;
+  const int64_t id = entry->id;
+  reg.by_id.emplace(id, std::move(entry));
+  return id;
 }
 
-const LeafEntry& get_leaf(int64_t id) {
+void unregister_leaf(int64_t id) {
+  std::shared_ptr<LeafEntry> doomed;
+  {
+    auto& reg = registry();
+    std::unique_lock<std::shared_mutex> lock(reg.mutex);
+    auto it = reg.by_id.find(id);
+    if (it == reg.by_id.end()) {
+      return;
+    }
+    TORCH_INTERNAL_ASSERT(
+        !it->second->has_named_op(), "named leaves are never unregistered");
+    doomed = std::move(it->second);
+    reg.by_id.erase(it);
+  }
+  // `doomed` dies here, outside the lock: a Python entry's destructor takes
+  // the GIL, which a thread waiting for this lock may hold.
+}
+
+LeafEntryPtr get_leaf(int64_t id) {
   auto& reg = registry();
   std::shared_lock<std::shared_mutex> lock(reg.mutex);
+  auto it = reg.by_id.find(id);
+  if (it != reg.by_id.end()) {
+    return it->second;
+  }
   if (id & kNamedBit) {
-    auto it = reg.named_ids.find(id);
     TORCH_CHECK(
-        it != reg.named_ids.end(),
+        false,
         "torchleaf: no C++ leaf function has id ",
         id,
         " in this process; load the library that defines it first.");
-    return *reg.entries[it->second];
   }
-  const auto index = static_cast<size_t>(id & kIndexMask);
   TORCH_CHECK(
-      (id >> kIndexBits) == reg.prefix && index < reg.entries.size(),
+      false,
       "torchleaf: no leaf function has id ",
       id,
-      " in this process. Leaf ids are only valid in the process that traced "
-      "the graph; re-trace (torch.compile does) instead of reusing a graph "
-      "from another process, or use a C++ leaf's named operator (export).");
-  return *reg.entries[index];
+      " in this process. Either its Python function was deleted (a graph "
+      "that calls a leaf keeps only its id: keep the leaf alive as long as "
+      "graphs that call it run), or the graph was traced in another process "
+      "(re-trace it, as torch.compile does, or export a C++ leaf's named "
+      "operator).");
 }
 
-const LeafEntry* find_leaf_entry(const std::string& name) {
+LeafEntryPtr find_leaf_entry(const std::string& name) {
   auto& reg = registry();
   std::shared_lock<std::shared_mutex> lock(reg.mutex);
   auto it = reg.named.find(name);
-  return it == reg.named.end() ? nullptr : reg.entries[it->second];
+  return it == reg.named.end() ? nullptr : reg.by_id.at(it->second);
 }
 
-std::vector<int64_t> named_leaf_ids() {
+std::vector<LeafEntryPtr> named_leaves() {
   auto& reg = registry();
   std::shared_lock<std::shared_mutex> lock(reg.mutex);
-  std::vector<int64_t> ids;
-  for (const auto* e : reg.entries) {
-    if (e->has_named_op) {
-      ids.push_back(e->id);
-    }
+  std::vector<LeafEntryPtr> out;
+  out.reserve(reg.named_order.size());
+  for (auto id : reg.named_order) {
+    out.push_back(reg.by_id.at(id));
   }
-  return ids;
+  return out;
+}
+
+size_t leaf_count() {
+  auto& reg = registry();
+  std::shared_lock<std::shared_mutex> lock(reg.mutex);
+  return reg.by_id.size();
 }
 
 } // namespace torchleaf

@@ -1,8 +1,11 @@
 #pragma once
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -11,47 +14,84 @@
 
 namespace torchleaf {
 
-// Everything torchleaf knows about one leaf function. Entries are created once
-// and never destroyed (ids are baked into traced graphs), so kernels may keep
-// plain pointers to them.
-struct TORCHLEAF_API LeafEntry {
+// What one call hands a leaf's implementation besides its tensors, and what
+// the implementation hands back. It lives on the caller's stack for exactly
+// one call, so nothing a call produces can be seen by another call.
+struct CallSite {
+  // Which call structure of the leaf this is (Python leaves: an index into
+  // the leaf's call plans, baked into traced graphs); 0 for C++ leaves.
+  int64_t plan = 0;
+  // The caller's non-tensor arguments, opaque to the core (eager Python
+  // calls pass a borrowed PyObject*), or nullptr when the call comes from a
+  // graph and everything must be rebuilt from `plan` and the tensors.
+  void* arguments = nullptr;
+  // Set by the real implementation: a description of its outputs that the
+  // caller receives with them (Python leaves: the output pytree), and that
+  // output validation passes on to the fake implementation.
+  std::shared_ptr<void> result;
+};
+
+// The form in which the core calls a leaf's real and fake implementations.
+using LeafImpl = std::function<TensorList(const TensorList&, CallSite&)>;
+
+// Everything torchleaf knows about one leaf function: one entry per leaf,
+// C++ or Python. C++ leaves live as long as the process (their named
+// operators do); a Python leaf's entry is removed when its Python function
+// dies, and calls in flight keep it alive through shared ownership.
+struct TORCHLEAF_API LeafEntry : std::enable_shared_from_this<LeafEntry> {
   // The id graphs refer to. PyTorch's on-disk compilation caches may reuse a
   // graph compiled in another process, so an id must mean the same leaf in
   // every process or in none: C++ leaves take a hash of their name (the same
   // library defines the same leaf), Python leaves a per-process random prefix
-  // plus `index` (their call structures are process-local).
+  // plus a counter that never repeats (a dead leaf's id names nothing).
   int64_t id = -1;
-  // Dense position in the registry, for per-entry caches.
-  size_t index = 0;
   // "ns::name" for C++ leaves; the Python qualname for Python leaves.
   std::string name;
-  LeafFn real;
-  LeafFn fake;
+  LeafImpl real;
+  LeafImpl fake; // empty: tracing fails with "requires a fake implementation"
   LeafOptions options;
-  // True when the leaf owns a named operator `name` (C++ leaves). Python
-  // leaves go through the generic torchleaf::call operator.
-  bool has_named_op = false;
-  // The operator fragment that defines the named operator; kept alive so the
-  // registration stays in place.
+  // C++ leaves: their named operator `name`, and the fragment that defines it
+  // (kept alive so the registration stays in place). Python leaves go through
+  // the generic torchleaf::call operator.
+  std::optional<c10::OperatorHandle> named_op;
   std::unique_ptr<torch::Library> library;
 
+  bool has_named_op() const {
+    return named_op.has_value();
+  }
   bool validate_outputs() const;
   bool check_escaped_gradients() const;
   bool mutates(size_t flat_position) const;
 };
 
+using LeafEntryPtr = std::shared_ptr<const LeafEntry>;
+
 // Internal API, exported for the Python bindings.
 
-// Registers a new entry and returns it; the id is assigned here.
-TORCHLEAF_API LeafEntry& register_leaf(std::unique_ptr<LeafEntry> entry);
+// The id the named leaf `name` gets (a hash of the name).
+TORCHLEAF_API int64_t named_leaf_id(const std::string& name);
+
+// Fails with "already defined" when a named leaf `name` exists.
+TORCHLEAF_API void check_name_free(const std::string& name);
+
+// Publishes `entry` (its id is assigned here for unnamed leaves) and returns
+// its id. Named entries must be complete (operator defined) when published.
+TORCHLEAF_API int64_t register_leaf(std::shared_ptr<LeafEntry> entry);
+
+// Removes an unnamed (Python) leaf; graphs that still name it then fail with
+// a clear error. Calls in flight finish with the entry they hold.
+TORCHLEAF_API void unregister_leaf(int64_t id);
 
 // The entry for `id`; a clear error when there is none.
-TORCHLEAF_API const LeafEntry& get_leaf(int64_t id);
+TORCHLEAF_API LeafEntryPtr get_leaf(int64_t id);
 
 // The entry whose name is `name`, or nullptr.
-TORCHLEAF_API const LeafEntry* find_leaf_entry(const std::string& name);
+TORCHLEAF_API LeafEntryPtr find_leaf_entry(const std::string& name);
 
-// Ids of all leaves that own a named operator, in definition order.
-TORCHLEAF_API std::vector<int64_t> named_leaf_ids();
+// Entries of all leaves that own a named operator, in definition order.
+TORCHLEAF_API std::vector<LeafEntryPtr> named_leaves();
+
+// Number of registered leaves (named and unnamed).
+TORCHLEAF_API size_t leaf_count();
 
 } // namespace torchleaf

@@ -87,18 +87,30 @@ bool is_concrete_handle(const at::Tensor& handle) {
 
 std::shared_ptr<CapturedState> lookup_state(
     const at::Tensor& handle,
-    const std::string& leaf_name) {
-  TORCH_INTERNAL_ASSERT(
+    const LeafEntry& entry) {
+  TORCHLEAF_CHECK(
       is_concrete_handle(handle) && handle.scalar_type() == at::kLong &&
-          handle.numel() == 1,
-      "torchleaf: malformed state handle");
+          handle.dim() == 0 &&
+          handle.storage().data_ptr().get_deleter() == &release_handle,
+      entry.name,
+      "backward received a state argument that is not a state handle (",
+      handle.defined() ? c10::str(handle.toString(), handle.sizes()) : "undefined",
+      "); pass the 0-dim int64 handle that torchleaf::forward returned for "
+      "this call itself: a copy of it is not a handle, since the state lives "
+      "exactly as long as the handle's own storage.");
   const int64_t id = *handle.const_data_ptr<int64_t>();
   auto& t = table();
   std::lock_guard<std::mutex> lock(t.mutex);
   auto it = t.states.find(id);
   TORCHLEAF_CHECK(
+      it == t.states.end() || it->second->entry.get() == &entry,
+      entry.name,
+      "backward received the state handle of a call of leaf function '",
+      it == t.states.end() ? "" : it->second->entry->name,
+      "'; pass the handle that this leaf's forward returned.");
+  TORCHLEAF_CHECK(
       it != t.states.end(),
-      leaf_name,
+      entry.name,
       "cannot run backward: the autograd state saved by its forward call was "
       "already released (backward ran once without retain_graph=True, or "
       "the graph was freed). Pass retain_graph=True to the first backward "

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "registry.h"
+
 namespace torchleaf {
 
 // Metadata of one differentiable input, enough to build a zero gradient.
@@ -20,8 +22,9 @@ struct InputMeta {
 // leave (one edge per differentiable input). Holding the output edges keeps
 // the graph and its saved tensors alive; nothing else refers to it.
 struct CapturedState {
-  // The leaf's name, owned by its (immortal) registry entry.
-  const std::string* leaf_name = nullptr;
+  // The leaf that made it (shared: a Python leaf may be deleted while
+  // graphs of its calls are alive).
+  LeafEntryPtr entry;
   std::vector<torch::autograd::Edge> output_edges; // invalid: no gradient
   std::vector<torch::autograd::Edge> input_edges;
   std::vector<InputMeta> input_meta; // parallel to input_edges (traced calls)
@@ -38,11 +41,12 @@ struct CapturedState {
 // freed, so it lives exactly as long as the autograd graph that saved it.
 at::Tensor make_state_handle(std::shared_ptr<CapturedState> state);
 
-// The state named by `handle`; a clear error naming `leaf_name` when it was
-// released already.
+// The state named by `handle`, which `entry`'s forward made; a clear error
+// naming the leaf when it was released already, when `handle` is not a
+// state handle, or when it belongs to another leaf.
 std::shared_ptr<CapturedState> lookup_state(
     const at::Tensor& handle,
-    const std::string& leaf_name);
+    const LeafEntry& entry);
 
 // True for a handle that holds a real value (not a fake, meta or functional
 // tensor seen while tracing).

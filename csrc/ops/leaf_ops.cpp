@@ -6,26 +6,30 @@
 
 #include <torchleaf/errors.h>
 
+#include <limits>
+
 #include "../capture.h"
 #include "../state.h"
 
 namespace torchleaf::ops {
 
-TensorList call(int64_t leaf, at::TensorList inputs, at::TensorList mutated) {
+TensorList call(int64_t leaf, int64_t plan, at::TensorList inputs, at::TensorList mutated) {
   if (mutated.empty()) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("torchleaf::call", "")
-                         .typed<TensorList(int64_t, at::TensorList)>();
-    return op.call(leaf, inputs);
+                         .typed<TensorList(int64_t, int64_t, at::TensorList)>();
+    return op.call(leaf, plan, inputs);
   }
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("torchleaf::call_mutating", "")
-                       .typed<TensorList(int64_t, at::TensorList, at::TensorList)>();
-  return op.call(leaf, inputs, mutated);
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("torchleaf::call_mutating", "")
+          .typed<TensorList(int64_t, int64_t, at::TensorList, at::TensorList)>();
+  return op.call(leaf, plan, inputs, mutated);
 }
 
 std::tuple<TensorList, at::Tensor> forward(
     int64_t leaf,
+    int64_t plan,
     at::TensorList inputs,
     at::TensorList mutated,
     at::IntArrayRef differentiable) {
@@ -34,14 +38,14 @@ std::tuple<TensorList, at::Tensor> forward(
     static auto op =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("torchleaf::forward", "")
-            .typed<Result(int64_t, at::TensorList, at::IntArrayRef)>();
-    return op.call(leaf, inputs, differentiable);
+            .typed<Result(int64_t, int64_t, at::TensorList, at::IntArrayRef)>();
+    return op.call(leaf, plan, inputs, differentiable);
   }
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("torchleaf::forward_mutating", "")
-          .typed<Result(int64_t, at::TensorList, at::TensorList, at::IntArrayRef)>();
-  return op.call(leaf, inputs, mutated, differentiable);
+          .typed<Result(int64_t, int64_t, at::TensorList, at::TensorList, at::IntArrayRef)>();
+  return op.call(leaf, plan, inputs, mutated, differentiable);
 }
 
 TensorList backward(
@@ -120,19 +124,87 @@ void append_input_meta(std::vector<c10::SymInt>& meta, const at::Tensor& t) {
   meta.insert(meta.end(), sizes.begin(), sizes.end());
 }
 
+std::vector<DecodedInputMeta> decode_input_meta(
+    const LeafEntry& entry,
+    c10::SymIntArrayRef meta) {
+  // Reachable with arbitrary values from C++ callers of torchleaf::backward:
+  // every read is bounds-checked.
+  auto fail = [&](size_t at, const std::string& what) {
+    detail::throw_leaf_error(
+        entry.name,
+        c10::str(
+            "backward received malformed input_meta (",
+            meta.size(),
+            " entries; at entry ",
+            at,
+            ": ",
+            what,
+            "). input_meta must hold [dtype, device type, device index, ndim, "
+            "sizes...] per differentiable input, as torchleaf::forward's "
+            "Autograd kernel records it; pass it through unchanged."));
+  };
+  auto int_at = [&](size_t i) -> int64_t {
+    auto v = meta[i].maybe_as_int();
+    if (!v) {
+      fail(i, "a symbolic value where an integer is required");
+    }
+    return *v;
+  };
+  std::vector<DecodedInputMeta> out;
+  size_t i = 0;
+  while (i < meta.size()) {
+    if (meta.size() - i < 4) {
+      fail(i, "a record shorter than its 4-entry header");
+    }
+    const int64_t dtype = int_at(i);
+    if (dtype < 0 || dtype >= static_cast<int64_t>(at::ScalarType::NumOptions)) {
+      fail(i, c10::str("unknown dtype code ", dtype));
+    }
+    const int64_t device_type = int_at(i + 1);
+    if (device_type < 0 ||
+        device_type >= static_cast<int64_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)) {
+      fail(i + 1, c10::str("unknown device type code ", device_type));
+    }
+    const int64_t device_index = int_at(i + 2);
+    if (device_index < -1 || device_index > std::numeric_limits<c10::DeviceIndex>::max()) {
+      fail(i + 2, c10::str("device index ", device_index, " out of range"));
+    }
+    const int64_t ndim = int_at(i + 3);
+    if (ndim < 0 || static_cast<size_t>(ndim) > meta.size() - i - 4) {
+      fail(i + 3, c10::str("ndim ", ndim, " does not fit the remaining entries"));
+    }
+    DecodedInputMeta decoded{
+        static_cast<at::ScalarType>(dtype),
+        c10::Device(
+            static_cast<c10::DeviceType>(device_type),
+            static_cast<c10::DeviceIndex>(device_index)),
+        std::vector<c10::SymInt>(meta.begin() + i + 4, meta.begin() + i + 4 + ndim)};
+    for (size_t d = 0; d < decoded.sizes.size(); ++d) {
+      if (auto v = decoded.sizes[d].maybe_as_int(); v && *v < 0) {
+        fail(i + 4 + d, c10::str("negative size ", *v));
+      }
+    }
+    out.push_back(std::move(decoded));
+    i += 4 + ndim;
+  }
+  return out;
+}
+
 TensorList call_real(
     const LeafEntry& entry,
     at::TensorList inputs,
-    at::TensorList mutated) {
+    at::TensorList mutated,
+    CallSite& site) {
   auto flat = merge_inputs(entry, inputs, mutated);
-  return run_real(entry, flat.tensors, flat.is_mutable);
+  return run_real(entry, flat.tensors, flat.is_mutable, site);
 }
 
 TensorList call_fake(
     const LeafEntry& entry,
     at::TensorList inputs,
-    at::TensorList mutated) {
-  return run_fake(entry, merge_inputs(entry, inputs, mutated).tensors);
+    at::TensorList mutated,
+    CallSite& site) {
+  return run_fake(entry, merge_inputs(entry, inputs, mutated).tensors, site);
 }
 
 namespace {
@@ -156,35 +228,47 @@ std::vector<bool> capture_mask(
   return mask;
 }
 
-TensorList call_mutating_kernel(int64_t leaf, at::TensorList inputs, at::TensorList mutated) {
-  return call_real(get_leaf(leaf), inputs, mutated);
+TensorList call_mutating_kernel(
+    int64_t leaf,
+    int64_t plan,
+    at::TensorList inputs,
+    at::TensorList mutated) {
+  CallSite site{plan};
+  return call_real(*get_leaf(leaf), inputs, mutated, site);
 }
 
-TensorList call_kernel(int64_t leaf, at::TensorList inputs) {
-  return call_mutating_kernel(leaf, inputs, {});
+TensorList call_kernel(int64_t leaf, int64_t plan, at::TensorList inputs) {
+  return call_mutating_kernel(leaf, plan, inputs, {});
 }
 
-TensorList call_mutating_meta(int64_t leaf, at::TensorList inputs, at::TensorList mutated) {
-  return call_fake(get_leaf(leaf), inputs, mutated);
+TensorList call_mutating_meta(
+    int64_t leaf,
+    int64_t plan,
+    at::TensorList inputs,
+    at::TensorList mutated) {
+  CallSite site{plan};
+  return call_fake(*get_leaf(leaf), inputs, mutated, site);
 }
 
-TensorList call_meta(int64_t leaf, at::TensorList inputs) {
-  return call_mutating_meta(leaf, inputs, {});
+TensorList call_meta(int64_t leaf, int64_t plan, at::TensorList inputs) {
+  return call_mutating_meta(leaf, plan, inputs, {});
 }
 
 std::tuple<TensorList, at::Tensor> forward_mutating_kernel(
     int64_t leaf,
+    int64_t plan,
     at::TensorList inputs,
     at::TensorList mutated,
     at::IntArrayRef differentiable) {
-  const auto& entry = get_leaf(leaf);
-  auto flat = merge_inputs(entry, inputs, mutated);
-  auto mask = capture_mask(entry, flat, differentiable);
+  auto entry = get_leaf(leaf);
+  auto flat = merge_inputs(*entry, inputs, mutated);
+  auto mask = capture_mask(*entry, flat, differentiable);
   std::shared_ptr<CapturedState> state;
-  TensorList outputs = run_real(entry, flat.tensors, flat.is_mutable, &mask, &state);
+  CallSite site{plan};
+  TensorList outputs = run_real(*entry, flat.tensors, flat.is_mutable, site, &mask, &state);
   if (state == nullptr) { // nothing differentiable: an empty graph
     state = std::make_shared<CapturedState>();
-    state->leaf_name = &entry.name;
+    state->entry = entry;
     state->output_edges.resize(outputs.size());
   }
   return {std::move(outputs), make_state_handle(std::move(state))};
@@ -192,25 +276,28 @@ std::tuple<TensorList, at::Tensor> forward_mutating_kernel(
 
 std::tuple<TensorList, at::Tensor> forward_kernel(
     int64_t leaf,
+    int64_t plan,
     at::TensorList inputs,
     at::IntArrayRef differentiable) {
-  return forward_mutating_kernel(leaf, inputs, {}, differentiable);
+  return forward_mutating_kernel(leaf, plan, inputs, {}, differentiable);
 }
 
 std::tuple<TensorList, at::Tensor> forward_mutating_meta(
     int64_t leaf,
+    int64_t plan,
     at::TensorList inputs,
     at::TensorList mutated,
     at::IntArrayRef /*differentiable*/) {
-  return {call_mutating_meta(leaf, inputs, mutated),
+  return {call_mutating_meta(leaf, plan, inputs, mutated),
           at::empty({}, at::TensorOptions().dtype(at::kLong).device(at::kMeta))};
 }
 
 std::tuple<TensorList, at::Tensor> forward_meta(
     int64_t leaf,
+    int64_t plan,
     at::TensorList inputs,
     at::IntArrayRef differentiable) {
-  return forward_mutating_meta(leaf, inputs, {}, differentiable);
+  return forward_mutating_meta(leaf, plan, inputs, {}, differentiable);
 }
 
 std::vector<std::optional<at::Tensor>> to_vector(
@@ -228,26 +315,21 @@ TensorList backward_kernel(
     const at::Tensor& state,
     const c10::List<std::optional<at::Tensor>>& grads,
     c10::SymIntArrayRef /*input_meta*/) {
-  const auto& entry = get_leaf(leaf);
-  auto captured = lookup_state(state, entry.name);
+  auto entry = get_leaf(leaf);
+  auto captured = lookup_state(state, *entry);
   return replay(*captured, to_vector(grads));
 }
 
 TensorList backward_meta(
-    int64_t /*leaf*/,
+    int64_t leaf,
     const at::Tensor& /*state*/,
     const c10::List<std::optional<at::Tensor>>& /*grads*/,
     c10::SymIntArrayRef input_meta) {
+  auto entry = get_leaf(leaf);
   TensorList out;
-  size_t i = 0;
-  while (i < input_meta.size()) {
-    auto dtype = static_cast<at::ScalarType>(input_meta[i].expect_int());
-    const auto ndim = input_meta[i + 3].expect_int();
-    std::vector<c10::SymInt> sizes(
-        input_meta.begin() + i + 4, input_meta.begin() + i + 4 + ndim);
+  for (const auto& meta : decode_input_meta(*entry, input_meta)) {
     out.push_back(at::empty_symint(
-        sizes, at::TensorOptions().dtype(dtype).device(at::kMeta)));
-    i += 4 + ndim;
+        meta.sizes, at::TensorOptions().dtype(meta.dtype).device(at::kMeta)));
   }
   return out;
 }
@@ -294,36 +376,40 @@ TensorList clone_all(at::TensorList tensors) {
 
 std::tuple<TensorList, TensorList> call_functional_kernel(
     int64_t leaf,
+    int64_t plan,
     at::TensorList inputs,
     at::TensorList mutated) {
   auto updated = clone_all(mutated);
-  auto out = call_mutating_kernel(leaf, inputs, updated);
+  auto out = call_mutating_kernel(leaf, plan, inputs, updated);
   return {std::move(out), std::move(updated)};
 }
 
 std::tuple<TensorList, TensorList> call_functional_meta(
     int64_t leaf,
+    int64_t plan,
     at::TensorList inputs,
     at::TensorList mutated) {
-  return {call_mutating_meta(leaf, inputs, mutated), clone_all(mutated)};
+  return {call_mutating_meta(leaf, plan, inputs, mutated), clone_all(mutated)};
 }
 
 std::tuple<TensorList, at::Tensor, TensorList> forward_functional_kernel(
     int64_t leaf,
+    int64_t plan,
     at::TensorList inputs,
     at::TensorList mutated,
     at::IntArrayRef differentiable) {
   auto updated = clone_all(mutated);
-  auto [out, state] = forward_mutating_kernel(leaf, inputs, updated, differentiable);
+  auto [out, state] = forward_mutating_kernel(leaf, plan, inputs, updated, differentiable);
   return {std::move(out), std::move(state), std::move(updated)};
 }
 
 std::tuple<TensorList, at::Tensor, TensorList> forward_functional_meta(
     int64_t leaf,
+    int64_t plan,
     at::TensorList inputs,
     at::TensorList mutated,
     at::IntArrayRef differentiable) {
-  auto [out, state] = forward_mutating_meta(leaf, inputs, mutated, differentiable);
+  auto [out, state] = forward_mutating_meta(leaf, plan, inputs, mutated, differentiable);
   return {std::move(out), std::move(state), clone_all(mutated)};
 }
 
@@ -331,18 +417,19 @@ std::tuple<TensorList, at::Tensor, TensorList> forward_functional_meta(
 
 TensorList call_mutating_functionalize(
     int64_t leaf,
+    int64_t plan,
     at::TensorList inputs,
     at::TensorList mutated) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("torchleaf::call_functional", "")
                        .typed<std::tuple<TensorList, TensorList>(
-                           int64_t, at::TensorList, at::TensorList)>();
+                           int64_t, int64_t, at::TensorList, at::TensorList)>();
   auto in = unwrap(inputs);
   auto mut = unwrap(mutated);
   std::tuple<TensorList, TensorList> out;
   {
     c10::impl::ExcludeDispatchKeyGuard skip(c10::DispatchKey::Functionalize);
-    out = op.call(leaf, in, mut);
+    out = op.call(leaf, plan, in, mut);
   }
   write_back(mutated, std::get<1>(out));
   return at::functionalization::impl::to_functional_tensor(std::get<0>(out));
@@ -352,19 +439,20 @@ namespace {
 
 std::tuple<TensorList, at::Tensor> forward_mutating_functionalize(
     int64_t leaf,
+    int64_t plan,
     at::TensorList inputs,
     at::TensorList mutated,
     at::IntArrayRef differentiable) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("torchleaf::forward_functional", "")
                        .typed<std::tuple<TensorList, at::Tensor, TensorList>(
-                           int64_t, at::TensorList, at::TensorList, at::IntArrayRef)>();
+                           int64_t, int64_t, at::TensorList, at::TensorList, at::IntArrayRef)>();
   auto in = unwrap(inputs);
   auto mut = unwrap(mutated);
   std::tuple<TensorList, at::Tensor, TensorList> out;
   {
     c10::impl::ExcludeDispatchKeyGuard skip(c10::DispatchKey::Functionalize);
-    out = op.call(leaf, in, mut, differentiable);
+    out = op.call(leaf, plan, in, mut, differentiable);
   }
   write_back(mutated, std::get<2>(out));
   namespace F = at::functionalization::impl;
@@ -379,18 +467,22 @@ TORCH_LIBRARY_IMPL(torchleaf, Functionalize, m) {
 }
 
 TORCH_LIBRARY(torchleaf, m) {
-  m.def("call(int leaf, Tensor[] inputs) -> Tensor[]");
-  m.def("forward(int leaf, Tensor[] inputs, int[] differentiable) -> (Tensor[], Tensor)");
-  m.def("call_mutating(int leaf, Tensor[] inputs, Tensor(a!)[] mutated) -> Tensor[]");
+  m.def("call(int leaf, int plan, Tensor[] inputs) -> Tensor[]");
   m.def(
-      "forward_mutating(int leaf, Tensor[] inputs, Tensor(a!)[] mutated, "
-      "int[] differentiable) -> (Tensor[], Tensor)");
+      "forward(int leaf, int plan, Tensor[] inputs, int[] differentiable) "
+      "-> (Tensor[], Tensor)");
   m.def(
-      "call_functional(int leaf, Tensor[] inputs, Tensor[] mutated) "
+      "call_mutating(int leaf, int plan, Tensor[] inputs, Tensor(a!)[] mutated) "
+      "-> Tensor[]");
+  m.def(
+      "forward_mutating(int leaf, int plan, Tensor[] inputs, "
+      "Tensor(a!)[] mutated, int[] differentiable) -> (Tensor[], Tensor)");
+  m.def(
+      "call_functional(int leaf, int plan, Tensor[] inputs, Tensor[] mutated) "
       "-> (Tensor[], Tensor[])");
   m.def(
-      "forward_functional(int leaf, Tensor[] inputs, Tensor[] mutated, "
-      "int[] differentiable) -> (Tensor[], Tensor, Tensor[])");
+      "forward_functional(int leaf, int plan, Tensor[] inputs, "
+      "Tensor[] mutated, int[] differentiable) -> (Tensor[], Tensor, Tensor[])");
   m.def(
       "backward(int leaf, Tensor state, Tensor?[] grads, SymInt[] input_meta) "
       "-> Tensor[]");

@@ -2,11 +2,13 @@
 
 // The torchleaf operators. Schemas are defined once, in leaf_ops.cpp:
 //
-//   torchleaf::call(int leaf, Tensor[] inputs) -> Tensor[]
-//       Runs a leaf. Its Autograd kernel turns a differentiable call into
-//       `forward` plus an autograd node whose backward is `backward`.
-//   torchleaf::forward(int leaf, Tensor[] inputs, int[] differentiable)
-//                      -> (Tensor[], Tensor)
+//   torchleaf::call(int leaf, int plan, Tensor[] inputs) -> Tensor[]
+//       Runs a leaf. `plan` says how a Python leaf rebuilds its arguments
+//       from the tensors (0 for C++ leaves). Its Autograd kernel turns a
+//       differentiable call into `forward` plus an autograd node whose
+//       backward is `backward`.
+//   torchleaf::forward(int leaf, int plan, Tensor[] inputs,
+//                      int[] differentiable) -> (Tensor[], Tensor)
 //       Runs a leaf and captures its autograd graph for the inputs listed in
 //       `differentiable`; the second output is the state handle.
 //   torchleaf::call_mutating / forward_mutating: the same with an extra
@@ -36,11 +38,23 @@
 
 namespace torchleaf::ops {
 
+// Bumped whenever an operator schema or the meaning of its arguments
+// changes. PyTorch's on-disk compile caches key C++ leaves' graphs by the
+// leaf's named operator alone, so the Python package adds this to their key
+// (torch.compiler.config.cache_key_tag): a cached graph that calls the old
+// operators is never reused.
+constexpr int64_t kOperatorSchemaVersion = 2;
+
 // Calls through the dispatcher (all keys); an empty `mutated` selects the
 // non-mutating operator.
-TORCHLEAF_API TensorList call(int64_t leaf, at::TensorList inputs, at::TensorList mutated);
+TORCHLEAF_API TensorList call(
+    int64_t leaf,
+    int64_t plan,
+    at::TensorList inputs,
+    at::TensorList mutated);
 TORCHLEAF_API std::tuple<TensorList, at::Tensor> forward(
     int64_t leaf,
+    int64_t plan,
     at::TensorList inputs,
     at::TensorList mutated,
     at::IntArrayRef differentiable);
@@ -65,33 +79,63 @@ FlatInputs merge_inputs(
     at::TensorList inputs,
     at::TensorList mutated);
 
-// Kernels shared by `call` and the named operators.
+// Kernels shared by `call` and the named operators. `site` carries the plan
+// in and the real function's output description out.
 TORCHLEAF_API TensorList call_real(
     const LeafEntry& entry,
     at::TensorList inputs,
-    at::TensorList mutated);
+    at::TensorList mutated,
+    CallSite& site);
 TORCHLEAF_API TensorList call_fake(
     const LeafEntry& entry,
     at::TensorList inputs,
-    at::TensorList mutated);
+    at::TensorList mutated,
+    CallSite& site);
 
 // The Autograd kernel's work for any leaf operator. Returns nullopt when no
 // gradient is needed: the caller then redispatches below Autograd.
 std::optional<TensorList> call_autograd(
     const LeafEntry& entry,
     at::TensorList inputs,
-    at::TensorList mutated);
+    at::TensorList mutated,
+    CallSite& site);
+
+// True when nothing records this call: no Python dispatch mode or functorch
+// transform is active and every input is a plain, non-meta tensor. Such a
+// call means the same through the dispatcher or through call_eager.
+TORCHLEAF_API bool is_plain_eager(at::TensorList inputs, at::TensorList mutated);
+
+// A plain eager call (is_plain_eager) without the dispatcher round trip, so
+// that `site` (the caller's arguments in, the output description out)
+// travels with the call: what the operator's Autograd and dense kernels do.
+TORCHLEAF_API TensorList call_eager(
+    const LeafEntry& entry,
+    at::TensorList inputs,
+    at::TensorList mutated,
+    CallSite& site);
 
 // Functionalization of a mutating leaf call: the functional variant on the
 // unwrapped inputs, with the new values written back (also the Functionalize
 // kernel of named operators that declare mutation).
 TensorList call_mutating_functionalize(
     int64_t leaf,
+    int64_t plan,
     at::TensorList inputs,
     at::TensorList mutated);
 
 // Encoding of differentiable inputs' metadata for `backward`'s fake kernel:
 // per input [dtype, device type, device index, ndim, sizes...].
 void append_input_meta(std::vector<c10::SymInt>& meta, const at::Tensor& t);
+
+struct DecodedInputMeta {
+  at::ScalarType dtype;
+  c10::Device device;
+  std::vector<c10::SymInt> sizes;
+};
+// The inverse of append_input_meta, checked: malformed metadata (it reaches
+// torchleaf::backward from any C++ caller) is a clear error naming `entry`.
+TORCHLEAF_API std::vector<DecodedInputMeta> decode_input_meta(
+    const LeafEntry& entry,
+    c10::SymIntArrayRef meta);
 
 } // namespace torchleaf::ops

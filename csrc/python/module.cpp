@@ -39,36 +39,39 @@ struct PyLeafError : public torch::PyTorchError {
 
 // ------------------------------------------------------------ Python leaves
 
-// One Python leaf entry: `runner(tensors, call)` runs the user's function and
-// returns (list of tensors, output description); `fake_runner(tensors, call,
-// real_desc)` runs its fake and returns a list of tensors (`real_desc`: the
-// real call's output description when validating it, else None).
-// `call` describes how to rebuild the user's arguments; None means "the call
-// being made on this thread now" (eager calls pass it through _C.call).
-struct PythonLeaf {
-  py::object runner;
-  py::object fake_runner;
-  py::object call;
+// Owns Python references; released with the GIL held, from whichever thread
+// drops the last reference (the autograd engine's, for instance).
+struct PyRef {
+  explicit PyRef(PyObject* o) : obj(o) {}
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  PyObject* obj;
+  ~PyRef() {
+    if (obj != nullptr && Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      Py_DECREF(obj);
+    }
+  }
 };
 
-thread_local PyObject* t_current_call = nullptr;
-// Output description of the real call that just ran on this thread, handed
-// back to the Python wrapper by _C.call, and to the fake runner when it
-// validates the same call (recognised by receiving the very same inputs).
-thread_local PyObject* t_output_desc = nullptr;
-thread_local const TensorList* t_output_desc_inputs = nullptr;
-
-void set_output_desc(PyObject* desc, const TensorList* inputs = nullptr) {
-  Py_XINCREF(desc);
-  Py_XDECREF(t_output_desc);
-  t_output_desc = desc;
-  t_output_desc_inputs = inputs;
+std::shared_ptr<void> hold(py::object o) {
+  auto ref = std::make_shared<PyRef>(o.release().ptr());
+  return std::shared_ptr<void>(ref, ref->obj); // aliases: get() is the PyObject*
 }
 
-py::object take_output_desc() {
-  PyObject* desc = t_output_desc;
-  t_output_desc = nullptr;
-  return desc ? py::reinterpret_steal<py::object>(desc) : py::none();
+// A Python leaf, as the core calls it. `runner(leaf_ref, plan, tensors,
+// arguments)` runs the user's function and returns (tensors, output
+// description); `fake_runner(leaf_ref, plan, tensors, arguments, real_desc)`
+// runs its fake and returns tensors. `leaf_ref` is a weak reference to the
+// Python LeafFunction: the core holds no user object.
+struct PythonLeaf {
+  std::shared_ptr<void> runner;
+  std::shared_ptr<void> fake_runner;
+  std::shared_ptr<void> leaf_ref;
+};
+
+PyObject* ptr(const std::shared_ptr<void>& held) {
+  return static_cast<PyObject*>(held.get());
 }
 
 TensorList unpack_tensors(const py::handle& result, const std::string& leaf, const char* what) {
@@ -91,98 +94,107 @@ TensorList unpack_tensors(const py::handle& result, const std::string& leaf, con
   return out;
 }
 
-TensorList trampoline(
-    const PythonLeaf* leaf,
-    const std::string& name,
-    bool fake,
-    const TensorList& inputs) {
+py::list wrap_tensors(const TensorList& tensors) {
+  py::list out(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    PyList_SET_ITEM(out.ptr(), i, THPVariable_Wrap(tensors[i]));
+  }
+  return out;
+}
+
+py::handle arguments_of(const CallSite& site) {
+  return site.arguments != nullptr ? py::handle(static_cast<PyObject*>(site.arguments))
+                                   : py::handle(Py_None);
+}
+
+TensorList run_python_real(const PythonLeaf& leaf, const std::string& name,
+                           const TensorList& inputs, CallSite& site) {
   py::gil_scoped_acquire gil;
-  PyObject* call = leaf->call.is_none() ? t_current_call : leaf->call.ptr();
-  TORCHLEAF_CHECK(
-      call != nullptr,
-      name,
-      "was called without its Python arguments. Call the decorated function "
-      "itself rather than torch.ops.torchleaf.call with an eager leaf id.");
-  py::list args(inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    PyList_SET_ITEM(args.ptr(), i, THPVariable_Wrap(inputs[i]));
-  }
-  if (fake) {
-    // Validation runs the fake on the real call's own inputs.
-    const bool validating = t_output_desc != nullptr && t_output_desc_inputs == &inputs;
-    py::handle real_desc = validating ? py::handle(t_output_desc) : py::handle(Py_None);
-    return unpack_tensors(
-        leaf->fake_runner(args, py::handle(call), real_desc), name, "fake");
-  }
-  py::object result = leaf->runner(args, py::handle(call));
+  py::object result = py::reinterpret_borrow<py::object>(ptr(leaf.runner))(
+      py::handle(ptr(leaf.leaf_ref)), site.plan, wrap_tensors(inputs), arguments_of(site));
   TORCH_INTERNAL_ASSERT(PyTuple_Check(result.ptr()) && PyTuple_GET_SIZE(result.ptr()) == 2);
-  set_output_desc(PyTuple_GET_ITEM(result.ptr(), 1), &inputs);
-  return unpack_tensors(PyTuple_GET_ITEM(result.ptr(), 0), name, "real");
+  auto outputs = unpack_tensors(PyTuple_GET_ITEM(result.ptr(), 0), name, "real");
+  site.result = hold(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(result.ptr(), 1)));
+  return outputs;
+}
+
+TensorList run_python_fake(const PythonLeaf& leaf, const std::string& name,
+                           const TensorList& inputs, CallSite& site) {
+  py::gil_scoped_acquire gil;
+  // Validation runs the fake after the real function of the same call, whose
+  // output description it compares against.
+  py::handle real_desc = site.result ? py::handle(ptr(site.result)) : py::handle(Py_None);
+  py::object result = py::reinterpret_borrow<py::object>(ptr(leaf.fake_runner))(
+      py::handle(ptr(leaf.leaf_ref)), site.plan, wrap_tensors(inputs), arguments_of(site),
+      real_desc);
+  return unpack_tensors(result, name, "fake");
 }
 
 int64_t define_python_leaf(
     const std::string& name,
     py::object runner,
     py::object fake_runner,
-    py::object call,
+    py::object leaf_ref,
     std::optional<bool> validate_outputs,
     std::optional<bool> check_escaped_gradients) {
-  // Immortal, like every entry: graphs may refer to it until the process ends.
-  auto* leaf = new PythonLeaf{std::move(runner), std::move(fake_runner), std::move(call)};
-  auto entry = std::make_unique<LeafEntry>();
+  auto leaf = std::make_shared<PythonLeaf>(
+      PythonLeaf{hold(std::move(runner)), hold(std::move(fake_runner)), hold(std::move(leaf_ref))});
+  auto entry = std::make_shared<LeafEntry>();
   entry->name = name;
-  entry->real = [leaf, name](const TensorList& in) {
-    return trampoline(leaf, name, /*fake=*/false, in);
+  entry->real = [leaf, name](const TensorList& in, CallSite& site) {
+    return run_python_real(*leaf, name, in, site);
   };
-  entry->fake = [leaf, name](const TensorList& in) {
-    return trampoline(leaf, name, /*fake=*/true, in);
+  entry->fake = [leaf, name](const TensorList& in, CallSite& site) {
+    return run_python_fake(*leaf, name, in, site);
   };
   entry->options.validate_outputs = validate_outputs;
   entry->options.check_escaped_gradients = check_escaped_gradients;
-  return register_leaf(std::move(entry)).id;
+  return register_leaf(std::move(entry));
 }
 
-py::list wrap_tensors(TensorList tensors) {
-  py::list out(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    PyList_SET_ITEM(out.ptr(), i, THPVariable_Wrap(std::move(tensors[i])));
-  }
-  return out;
-}
-
-py::tuple call(int64_t leaf, const TensorList& inputs, const TensorList& mutated, py::handle call) {
+// Returns (outputs, output description), or None when the call carries
+// eager-only `arguments` but something records it (a dispatch mode or a
+// functorch transform): the caller then describes it for a graph instead.
+py::object call(
+    int64_t leaf,
+    int64_t plan,
+    const TensorList& inputs,
+    const TensorList& mutated,
+    py::handle arguments) {
   HANDLE_TH_ERRORS
-  struct CurrentCall {
-    PyObject* saved;
-    explicit CurrentCall(PyObject* c) : saved(t_current_call) {
-      t_current_call = c;
-    }
-    ~CurrentCall() {
-      t_current_call = saved;
-      set_output_desc(nullptr); // never leave a stale description behind
-    }
-  } current(call.is_none() ? nullptr : call.ptr());
+  const bool eager = ops::is_plain_eager(inputs, mutated);
+  if (!eager && !arguments.is_none()) {
+    return py::none();
+  }
+  CallSite site{plan, eager && !arguments.is_none() ? arguments.ptr() : nullptr};
   TensorList out;
   {
     py::gil_scoped_release no_gil;
-    out = ops::call(leaf, inputs, mutated);
+    if (eager) {
+      auto entry = get_leaf(leaf);
+      out = ops::call_eager(*entry, inputs, mutated, site);
+    } else {
+      out = ops::call(leaf, plan, inputs, mutated);
+    }
   }
-  py::object desc = take_output_desc();
-  return py::make_tuple(wrap_tensors(std::move(out)), std::move(desc));
+  py::object desc = site.result
+      ? py::reinterpret_borrow<py::object>(ptr(site.result))
+      : py::none();
+  return py::make_tuple(wrap_tensors(out), std::move(desc));
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
-py::list run_fake(int64_t leaf, const TensorList& inputs, const TensorList& mutated) {
+py::list run_fake(int64_t leaf, int64_t plan, const TensorList& inputs, const TensorList& mutated) {
   HANDLE_TH_ERRORS
-  return wrap_tensors(ops::call_fake(get_leaf(leaf), inputs, mutated));
+  CallSite site{plan};
+  return wrap_tensors(ops::call_fake(*get_leaf(leaf), inputs, mutated, site));
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
 py::list named_leaves() {
   py::list out;
-  for (auto id : named_leaf_ids()) {
-    const auto& e = get_leaf(id);
-    out.append(py::make_tuple(id, e.name, e.options.mutates_inputs));
+  for (const auto& e : torchleaf::named_leaves()) {
+    out.append(py::make_tuple(e->id, e->name, e->options.mutates_inputs));
   }
   return out;
 }
@@ -203,22 +215,33 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("define_python_leaf", &define_python_leaf,
         py::arg("name"), py::arg("runner"), py::arg("fake_runner"),
-        py::arg("call"), py::arg("validate_outputs") = py::none(),
+        py::arg("leaf_ref"), py::arg("validate_outputs") = py::none(),
         py::arg("check_escaped_gradients") = py::none(),
-        "Register a Python leaf with the core and return its id. `call` is "
-        "the fixed call description passed to the runners, or None to take it "
-        "from the enclosing _C.call.");
-  m.def("call", &call, py::arg("leaf"), py::arg("inputs"), py::arg("mutated"),
-        py::arg("call"),
-        "Call leaf `leaf` through torchleaf::call (all dispatch keys), with "
-        "`call` as the Python call description for runners that take it from "
-        "the caller. Returns (outputs, output description of the real call, "
-        "or None when a tracer ran the fake instead). Releases the GIL around "
-        "the C++ work.");
+        "Register a Python leaf with the core and return its id. The core "
+        "calls runner(leaf_ref, plan, tensors, arguments) -> (tensors, "
+        "output description) and fake_runner(leaf_ref, plan, tensors, "
+        "arguments, real description or None) -> tensors; `leaf_ref` should "
+        "be a weak reference, so that the core keeps no user object alive.");
+  m.def("release_python_leaf", &unregister_leaf, py::arg("leaf"),
+        "Remove a Python leaf from the core (when its LeafFunction dies); "
+        "graphs that still call it fail with a clear error.");
+  m.attr("OPERATOR_SCHEMA_VERSION") = ops::kOperatorSchemaVersion;
+  m.def("leaf_count", &leaf_count, "Number of leaves registered with the core.");
+  m.def("call", &call, py::arg("leaf"), py::arg("plan"), py::arg("inputs"),
+        py::arg("mutated"), py::arg("arguments"),
+        "Call a leaf. Plain eager calls run directly (no dispatcher round "
+        "trip) with `arguments` (opaque, handed to the runners) and return "
+        "(outputs, the real function's output description). Other calls go "
+        "through torchleaf::call(leaf, plan, ...) and return (outputs, None) "
+        "-- or None, without running anything, when `arguments` is not None: "
+        "such calls must be described for a graph. Releases the GIL around the "
+        "C++ work.");
 
-  m.def("run_fake", &run_fake, py::arg("leaf"), py::arg("inputs"),
-        py::arg("mutated"), "Run a leaf's fake implementation (C++ leaves).");
-  m.def("named_leaves", &named_leaves,
+  m.def("run_fake", &run_fake, py::arg("leaf"), py::arg("plan"), py::arg("inputs"),
+        py::arg("mutated"),
+        "Run a leaf's fake implementation for a call of `plan` (the fake "
+        "kernel of every torchleaf operator).");
+  m.def("named_leaves", &torchleaf::python::named_leaves,
         "[(id, 'ns::name', mutable positions)] for every C++ leaf with a named "
         "operator.");
   m.def("live_states", &live_states,

@@ -21,6 +21,19 @@ from ._registration import _register_ops, sync_cpp_leaves  # noqa: E402
 
 _register_ops()
 
+
+def _tag_compile_caches():
+    # PyTorch's on-disk compile caches key a graph that calls a C++ leaf by
+    # the leaf's named operator, which does not change when torchleaf's own
+    # operators do; the tag keeps artifacts of other torchleaf versions out.
+    tag = f"torchleaf-ops-v{_C.OPERATOR_SCHEMA_VERSION}"
+    config = _torch.compiler.config
+    if tag not in config.cache_key_tag.split(";"):
+        config.cache_key_tag = f"{config.cache_key_tag};{tag}" if config.cache_key_tag else tag
+
+
+_tag_compile_caches()
+
 #: Prefix for CMake's find_package(torchleaf): headers, libtorchleaf and the
 #: CMake package shipped inside this Python package.
 #: (Next to the compiled extension, which editable installs keep apart from

@@ -1,19 +1,30 @@
 """The ``@leaf_function`` decorator: Python leaf functions on the C++ core.
 
-A call is flattened into tensors (the operator's inputs) and a ``_Call`` that
-says how to rebuild the user's arguments from them (the pytree spec, the
-constants, nn.Module slots, which tensors are declared mutable). Each distinct
-``_Call`` is registered once with the core as its own leaf id, so the operator
-``torchleaf::call(id, inputs, mutated)`` is self-describing: traced graphs can
-run it later without any Python-side context. Only calls whose constants keep
-changing (beyond ``_MAX_CALLS_PER_LEAF``) pass their ``_Call`` per call
-instead, through the leaf's base id.
+Each :class:`LeafFunction` is one entry of the core (``torchleaf::call(leaf,
+plan, inputs)``), removed when the LeafFunction dies. A call is flattened by
+one piece of code, :meth:`LeafFunction._plan_for`, into the operator's tensors
+and a :class:`_Plan` that says how to rebuild the user's arguments from them.
+Plans belong to their leaf and are keyed by a deterministic description of the
+call's structure (pytree spec, constants, module *structure*), never by object
+identity; a graph names a plan by its index.
+
+Calls come in two forms, sharing plans and the rebuild code:
+
+* eager calls pass their own non-tensor arguments (constants, modules) along
+  with the call, and receive the real function's output description back from
+  it (``_C.call`` returns it): nothing travels through shared state;
+* traced calls (make_fx, fake tensors, torch.compile) bake constants into the
+  plan, and pass each nn.Module argument as its tensors plus a *handle tensor*
+  that names the module at run time, so one graph serves every module of the
+  same structure.
 """
 
-import contextlib
 import functools
 import inspect
+import itertools
+import threading
 import types
+import weakref
 
 import torch
 import torch.utils._pytree as pytree
@@ -24,22 +35,56 @@ from . import _C
 from ._errors import LeafFunctionError
 
 _Tensor = torch.Tensor
-_TENSOR = "\x00torchleaf:tensor"  # stands for a tensor in a call's skeleton
-_MODULE = "\x00torchleaf:module"  # stands for an nn.Module in a call's skeleton
-# Stand for an int that a compiled program passes as the size of a carrier
-# tensor, so that it may stay symbolic (Dynamo makes a changing int dynamic).
-_INT = "\x00torchleaf:int"
-_NEGATIVE_INT = "\x00torchleaf:-int"
+_Parameter = nn.Parameter
 
-# Kinds of operator inputs in a _Call's order.
-_IN_TENSOR, _IN_MODULE, _IN_INT, _IN_NEGATIVE_INT = range(4)
-_MAX_CALLS_PER_LEAF = 256
+# ------------------------------------------------------------------ modules
+# A module that torchleaf has seen carries a _ModuleHandle in its __dict__.
+# Traced graphs take the handle's tensor as an input (Dynamo lifts it like a
+# parameter, without guarding on the module's identity) and the real function
+# looks the module up by the tensor's value when the graph runs. The table
+# holds modules weakly.
+_HANDLE_ATTR = "_torchleaf_handle"
+_MODULES: dict = {}  # handle value -> weakref to the module
+_MODULES_LOCK = threading.Lock()
+_handle_values = itertools.count(1)
+# Live modules by structure, for running fakes: a fake runs on fake tensors,
+# whose handle values are unknown, so it sees a module of the same structure
+# reparametrized with the call's own (fake) tensors.
+_BY_STRUCTURE: dict = {}  # structure -> WeakSet of modules
 
-# Leaf id -> _Call, for every registered call description.
-_CALLS: dict = {}
+
+class _ModuleHandle:
+    """The value that names one module in traced graphs."""
+
+    def __init__(self, module, structure):
+        self.value = next(_handle_values) if module is not None else 0
+        self.tensor = torch.tensor(self.value, dtype=torch.int64)
+        if module is None:
+            return
+        value = self.value
+
+        def forget(_, value=value):
+            _MODULES.pop(value, None)
+
+        with _MODULES_LOCK:
+            _MODULES[value] = weakref.ref(module, forget)
+            _BY_STRUCTURE.setdefault(structure, weakref.WeakSet()).add(module)
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy(model): the copy gets a handle of its own.
+        ref = _MODULES.get(self.value)
+        owner = ref() if ref is not None else None
+        copy = memo.get(id(owner)) if owner is not None else None
+        return _ModuleHandle(copy, _module_structure(copy)[0]) if copy is not None else _ModuleHandle(None, None)
+
+    def __reduce__(self):
+        # Handle values are process-local: an unpickled module gets a new
+        # handle when torchleaf next sees it.
+        return (_ModuleHandle, (None, None))
 
 
 def _module_state(module):
+    """Parameter and buffer names and tensors, in the order graphs pass them."""
     names, tensors = [], []
     for name, p in module.named_parameters():
         names.append(name)
@@ -48,6 +93,62 @@ def _module_state(module):
         names.append(name)
         tensors.append(b)
     return tuple(names), tensors
+
+
+def _module_structure(module):
+    """(structure, tensors): what a plan keys on for a module argument."""
+    names, tensors = _module_state(module)
+    cls = type(module)
+    return (cls.__module__, cls.__qualname__, names), tensors
+
+
+def _handle_of(module, structure):
+    """The module's handle, made on first sight (or after a copy or unpickling
+    left it with one that names another module)."""
+    handle = module.__dict__.get(_HANDLE_ATTR)
+    if handle is not None:
+        ref = _MODULES.get(handle.value)
+        if ref is not None and ref() is module:
+            return handle
+    handle = _ModuleHandle(module, structure)
+    module.__dict__[_HANDLE_ATTR] = handle
+    return handle
+
+
+def _module_at_run_time(leaf, handle, structure, tensors, fake):
+    if fake or type(handle) is not _Tensor or handle.is_meta:
+        # Fake tensors: any live module of this structure, preferring one whose
+        # tensors have the call's shapes.
+        candidates = list(_BY_STRUCTURE.get(structure, ()))
+        for module in candidates:
+            own = _module_state(module)[1]
+            if all(a.shape == b.shape for a, b in zip(own, tensors)):
+                return module
+        if candidates:
+            return candidates[0]
+        raise LeafFunctionError(
+            f"torchleaf: leaf function '{leaf._name}' was traced with a {structure[1]} argument, "
+            f"but no module of that structure (parameters and buffers {list(structure[2])}) is "
+            f"alive to run its fake implementation on."
+        )
+    ref = _MODULES.get(int(handle))
+    module = ref() if ref is not None else None
+    if module is None:
+        raise LeafFunctionError(
+            f"torchleaf: leaf function '{leaf._name}' was called from a graph with a "
+            f"{structure[1]} argument that torchleaf cannot find (it was deleted, or it was "
+            f"unpickled or shallow-copied after the graph was traced). Call the leaf with the "
+            f"module once outside the compiled region, or re-trace."
+        )
+    return module
+
+
+@torch._dynamo.assume_constant_result
+def _sight_module(module):
+    """Called by Dynamo at trace time for a module that has no handle yet: makes
+    one and returns its value. (Dynamo guards this trace on the module's
+    identity; traces of modules that already have handles do not.)"""
+    return _handle_of(module, _module_structure(module)[0]).value
 
 
 # --------------------------------------------------------------------- outputs
@@ -100,200 +201,32 @@ def _structure(desc):
         return kind
     if kind == _OUT_CONST:
         return (kind, type(desc[1]))
-    if kind == _OUT_DICT:
-        return (kind, desc[1], tuple(_structure(d) for d in desc[2]))
-    if kind == _OUT_NAMEDTUPLE:
+    if kind == _OUT_DICT or kind == _OUT_NAMEDTUPLE:
         return (kind, desc[1], tuple(_structure(d) for d in desc[2]))
     return (kind, tuple(_structure(d) for d in desc[1]))
 
 
+def _constants(desc, path="output"):
+    """(path, value) for every constant in a description."""
+    kind = desc[0]
+    if kind == _OUT_CONST:
+        yield path, desc[1]
+    elif kind == _OUT_DICT:
+        for key, d in zip(desc[1], desc[2]):
+            yield from _constants(d, f"{path}[{key!r}]")
+    elif kind == _OUT_NAMEDTUPLE:
+        for name, d in zip(desc[1]._fields, desc[2]):
+            yield from _constants(d, f"{path}.{name}")
+    elif kind != _OUT_TENSOR:
+        for i, d in enumerate(desc[1]):
+            yield from _constants(d, f"{path}[{i}]")
+
+
 def _flatten_output(leaf, out):
-    if isinstance(out, _Tensor):
+    if type(out) is _Tensor:
         return [out], _SINGLE
     tensors = []
     return tensors, _encode(leaf, out, tensors)
-
-
-# ----------------------------------------------------------------------- calls
-class _Call:
-    """How to rebuild one call's arguments from the operator's tensors.
-
-    The operator receives ``inputs`` (tensor leaves and module parameters and
-    buffers, in flattening order) and ``mutated`` (tensor leaves of
-    parameters named in ``mutates_args``).
-    """
-
-    __slots__ = ("leaf", "spec", "template", "order", "mutated_slots", "modules", "out", "id", "positional")
-
-    def __init__(self, leaf, flat, spec, modules):
-        self.leaf = leaf
-        self.spec = spec
-        self.template = list(flat)
-        self.order = []  # (input kind, flat position) per input group
-        self.modules = []  # (module, parameter and buffer names)
-        mutated_positions = leaf._mutated_positions(flat, spec)
-        self.mutated_slots = []
-        module_iter = iter(modules)
-        for i, x in enumerate(flat):
-            if x is _TENSOR or isinstance(x, _Tensor):
-                self.template[i] = None
-                if i in mutated_positions:
-                    self.mutated_slots.append(i)
-                else:
-                    self.order.append((_IN_TENSOR, i))
-            elif x is _MODULE or isinstance(x, nn.Module):
-                module = next(module_iter)
-                self.template[i] = module
-                self.modules.append((module, _module_state(module)[0]))
-                self.order.append((_IN_MODULE, i))
-            elif x is _INT or x is _NEGATIVE_INT:
-                self.template[i] = None
-                self.order.append((_IN_INT if x is _INT else _IN_NEGATIVE_INT, i))
-        self.order = tuple(self.order)
-        self.mutated_slots = tuple(self.mutated_slots)
-        self.out = None  # the fake's output description, once traced
-        self.id = None
-        # Tensors only, by position: the function takes the operator's inputs as they are.
-        self.positional = (
-            all(kind == _IN_TENSOR for kind, _ in self.order)
-            and not self.mutated_slots and None not in flat
-            and all(t is None for t in self.template) and spec == pytree.tree_structure((tuple(flat), {}))
-        )
-
-    def invoke(self, fn, tensors):
-        flat = list(self.template)
-        k = 0
-        bindings = []
-        module_index = 0
-        for kind, pos in self.order:
-            if kind == _IN_MODULE:
-                module, names = self.modules[module_index]
-                module_index += 1
-                bindings.append((module, dict(zip(names, tensors[k : k + len(names)]))))
-                k += len(names)
-                continue
-            if kind == _IN_TENSOR:
-                flat[pos] = tensors[k]
-            else:  # an int carried as a size
-                size = tensors[k].shape[0]
-                flat[pos] = size if kind == _IN_INT else -size
-            k += 1
-        for pos in self.mutated_slots:
-            flat[pos] = tensors[k]
-            k += 1
-        args, kwargs = pytree.tree_unflatten(flat, self.spec)
-        if not bindings:
-            return fn(*args, **kwargs)
-        with contextlib.ExitStack() as stack:
-            for module, mapping in bindings:
-                stack.enter_context(_reparametrize_module(module, mapping, tie_weights=False, strict=True))
-            out = fn(*args, **kwargs)
-            for module, mapping in bindings:
-                current = dict(module.named_parameters())
-                current.update(module.named_buffers())
-                for name, tensor in mapping.items():
-                    if current.get(name) is not tensor:
-                        raise LeafFunctionError(
-                            f"torchleaf: leaf function '{self.leaf._name}' replaced '{name}' of its "
-                            f"{type(module).__name__} argument. The module's parameters and buffers "
-                            f"are the leaf's inputs and must not be reassigned inside it; return the "
-                            f"new value instead."
-                        )
-            return out
-
-    def split(self, flat, module_tensors):
-        """The operator's (inputs, mutated) lists for the flat leaves of a call."""
-        inputs = []
-        module_index = 0
-        for kind, pos in self.order:  # eager calls never carry ints
-            if kind == _IN_MODULE:
-                inputs.extend(module_tensors[module_index])
-                module_index += 1
-            else:
-                inputs.append(flat[pos])
-        return inputs, [flat[pos] for pos in self.mutated_slots]
-
-
-def _register_call(call):
-    leaf = call.leaf
-    call.id = _C.define_python_leaf(
-        leaf._name, _run_real, _run_fake, call, leaf._validate_outputs, leaf._check_escaped_gradients
-    )
-    _CALLS[call.id] = call
-    return call.id
-
-
-def _run_real(tensors, call):
-    """Trampoline target: run the user's function for one call; returns the
-    output tensors and the output description."""
-    leaf = call.leaf
-    try:
-        out = leaf._fn(*tensors) if call.positional else call.invoke(leaf._fn, tensors)
-    except BaseException as e:
-        _add_note(e, f"raised inside the real function of leaf function '{leaf._name}'")
-        raise
-    if type(out) is _Tensor:
-        flat, desc = [out], _SINGLE
-    else:
-        flat, desc = _flatten_output(leaf, out)
-    traced = call.out
-    if traced is not None and traced is not desc and _structure(traced) != _structure(desc):
-        # A compiled graph expects the fake's outputs.
-        raise LeafFunctionError(
-            f"torchleaf: leaf function '{leaf._name}' returned a different output structure than "
-            f"its fake implementation.\n  real: {_show(desc)}\n  fake: {_show(traced)}\n"
-            f"Make the fake return the same pytree structure as the real function."
-        )
-    return flat, desc
-
-
-def _run_fake(tensors, call, real_desc=None):
-    """Trampoline target, and the Python fake of torchleaf::call: run the fake.
-    ``real_desc``: the real call's output description, when validating it."""
-    leaf = call.leaf
-    if leaf._fake is None:
-        raise LeafFunctionError(
-            f"torchleaf: leaf function '{leaf._name}' requires a fake implementation to be traced "
-            f"(torch.compile, make_fx, torch.export, fake tensors) or validated. Register one with "
-            f"@{leaf.__name__}.register_fake; it must return outputs with the same structure, "
-            f"shapes and dtypes as the real function."
-        )
-    try:
-        out = call.invoke(leaf._fake, tensors)
-    except BaseException as e:
-        _add_note(e, f"raised inside the fake implementation of leaf function '{leaf._name}'")
-        raise
-    flat, desc = _flatten_output(leaf, out)
-    _check_constants(leaf, desc)
-    if real_desc is not None and _structure(real_desc) != _structure(desc):
-        raise LeafFunctionError(
-            f"torchleaf: leaf function '{leaf._name}' returned a different output structure "
-            f"than its fake implementation.\n  real: {_show(real_desc)}\n  fake: {_show(desc)}\n"
-            f"Make the fake return the same pytree structure as the real function."
-        )
-    call.out = desc
-    return flat
-
-
-_CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
-
-
-def _check_constants(leaf, desc):
-    """A fake's non-tensor outputs become graph constants: only plain values."""
-    kind = desc[0]
-    if kind == _OUT_CONST:
-        if not isinstance(desc[1], _CONSTANT_TYPES):
-            raise LeafFunctionError(
-                f"torchleaf: the fake implementation of leaf function '{leaf._name}' returned a "
-                f"{type(desc[1]).__name__} where a tensor or a plain constant (None, bool, int, "
-                f"float, str) was expected. Return tensors (e.g. torch.empty(...)) for array outputs."
-            )
-    elif kind == _OUT_DICT or kind == _OUT_NAMEDTUPLE:
-        for d in desc[2]:
-            _check_constants(leaf, d)
-    elif kind != _OUT_TENSOR:
-        for d in desc[1]:
-            _check_constants(leaf, d)
 
 
 def _show(desc):
@@ -310,37 +243,223 @@ def _show(desc):
     return f"({inner})" if kind == _OUT_TUPLE else f"[{inner}]"
 
 
+def _structure_mismatch(leaf, real, fake):
+    return LeafFunctionError(
+        f"torchleaf: leaf function '{leaf._name}' returned a different output structure than "
+        f"its fake implementation.\n  real: {_show(real)}\n  fake: {_show(fake)}\n"
+        f"Make the fake return the same pytree structure as the real function."
+    )
+
+
+_CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _check_fake_constants(leaf, desc):
+    """A fake's non-tensor outputs become graph constants: only plain values."""
+    for _, value in _constants(desc):
+        if not isinstance(value, _CONSTANT_TYPES):
+            raise LeafFunctionError(
+                f"torchleaf: the fake implementation of leaf function '{leaf._name}' returned a "
+                f"{type(value).__name__} where a tensor or a plain constant (None, bool, int, "
+                f"float, str) was expected. Return tensors (e.g. torch.empty(...)) for array outputs."
+            )
+
+
+def _check_graph_constants(leaf, traced, real):
+    """A graph returns the constants its fake returned when it was traced; a
+    real call that returns other values would be silently wrong."""
+    for (path, fake_value), (_, real_value) in zip(_constants(traced), _constants(real)):
+        if type(fake_value) is not type(real_value) or fake_value != real_value:
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{leaf._name}' returned {real_value!r} at {path}, but "
+                f"its fake implementation returned {fake_value!r} there when the graph was traced, "
+                f"and a compiled graph can only return the traced constant. Return the value as a "
+                f"tensor, or make the fake return the same constant."
+            )
+
+
 def _add_note(e, note):
     notes = getattr(e, "__notes__", ())
     if note not in notes and hasattr(e, "add_note"):
         e.add_note(note)
 
 
+# ----------------------------------------------------------------------- plans
+# Kinds of operator inputs, in a plan's order.
+_IN_TENSOR, _IN_MODULE, _IN_INT, _IN_NEGATIVE_INT = range(4)
+_TENSOR = "\x00torchleaf:tensor"  # stands for a tensor in a call's key
+_MODULE = "\x00torchleaf:module"  # stands for a module in a compiled call's skeleton
+_MODULE_KEY = "\x00torchleaf:module"  # tags (tag, structure) module entries of a key
+_INT = "\x00torchleaf:int"  # an int a compiled program passes as a carrier's size
+_NEGATIVE_INT = "\x00torchleaf:-int"
+
+
+class _Plan:
+    """How to rebuild one call structure's arguments from the operator's tensors.
+
+    The operator receives ``inputs`` -- per ``slots`` entry a tensor, a
+    module's parameters and buffers, or an int carrier; then, for traced
+    plans, one handle tensor per module -- and ``mutated`` (tensor leaves of
+    the parameters named in ``mutates_args``), in that order.
+    """
+
+    __slots__ = ("index", "spec", "template", "slots", "mutated", "n_modules", "traced", "positional", "out")
+
+    def __init__(self, index, spec, template, slots, mutated, traced, positional):
+        self.index = index
+        self.spec = spec
+        # The flat arguments with baked constants (traced plans) and None
+        # where tensors, modules and carried ints go.
+        self.template = template
+        self.slots = slots  # ((kind, flat position, module structure or None), ...)
+        self.mutated = mutated  # flat positions of declared-mutable tensors
+        self.n_modules = sum(1 for kind, _, _ in slots if kind == _IN_MODULE)
+        self.traced = traced
+        self.positional = positional  # tensors only, by position: call fn(*tensors)
+        self.out = None  # the fake's output description, once traced
+
+    def rebuild(self, leaf, tensors, arguments, fake):
+        """(args, kwargs, [(module, {name: tensor})]) for one call."""
+        flat = list(arguments) if arguments is not None else list(self.template)
+        k = 0
+        modules = []
+        for kind, pos, structure in self.slots:
+            if kind == _IN_TENSOR:
+                flat[pos] = tensors[k]
+                k += 1
+            elif kind == _IN_MODULE:
+                n = len(structure[2])
+                modules.append((pos, structure, tensors[k : k + n]))
+                k += n
+            else:  # an int carried as a size
+                size = tensors[k].shape[0]
+                flat[pos] = size if kind == _IN_INT else -size
+                k += 1
+        bindings = []
+        for pos, structure, own in modules:
+            if arguments is None:
+                flat[pos] = _module_at_run_time(leaf, tensors[k], structure, own, fake)
+                k += 1
+            bindings.append((flat[pos], dict(zip(structure[2], own))))
+        for pos in self.mutated:
+            flat[pos] = tensors[k]
+            k += 1
+        args, kwargs = pytree.tree_unflatten(flat, self.spec)
+        return args, kwargs, bindings
+
+
+def _invoke(leaf, fn, plan, tensors, arguments, fake):
+    if plan.positional:
+        return fn(*tensors)
+    args, kwargs, bindings = plan.rebuild(leaf, tensors, arguments, fake)
+    if not bindings:
+        return fn(*args, **kwargs)
+    stack = []
+    try:
+        for module, mapping in bindings:
+            ctx = _reparametrize_module(module, mapping, tie_weights=False, strict=True)
+            ctx.__enter__()
+            stack.append(ctx)
+        out = fn(*args, **kwargs)
+        for module, mapping in bindings:
+            current = dict(module.named_parameters())
+            current.update(module.named_buffers())
+            for name, tensor in mapping.items():
+                if current.get(name) is not tensor:
+                    raise LeafFunctionError(
+                        f"torchleaf: leaf function '{leaf._name}' replaced '{name}' of its "
+                        f"{type(module).__name__} argument. The module's parameters and buffers "
+                        f"are the leaf's inputs and must not be reassigned inside it; return the "
+                        f"new value instead."
+                    )
+        return out
+    finally:
+        while stack:
+            stack.pop().__exit__(None, None, None)
+
+
+def _live_leaf(leaf_ref):
+    leaf = leaf_ref()
+    if leaf is None:  # the core entry is removed with the leaf; a call in flight raced it
+        raise LeafFunctionError("torchleaf: a leaf function was called after it was deleted.")
+    return leaf
+
+
+def _run_real(leaf_ref, plan_index, tensors, arguments):
+    """Called by the core: run the user's function for one call. Returns the
+    output tensors and the output description."""
+    leaf = _live_leaf(leaf_ref)
+    plan = leaf._plans[plan_index]
+    try:
+        out = _invoke(leaf, leaf._fn, plan, tensors, arguments, fake=False)
+    except BaseException as e:
+        _add_note(e, f"raised inside the real function of leaf function '{leaf._name}'")
+        raise
+    flat, desc = _flatten_output(leaf, out)
+    if arguments is None:
+        # Called through the operator (a graph, or a dispatch mode that runs
+        # real kernels): the caller rebuilds outputs from the plan's
+        # description, which the fake wrote when tracing.
+        traced = plan.out
+        if traced is None:
+            plan.out = desc  # no fake ran (a non-tracing dispatch mode)
+        elif traced is not desc:
+            if _structure(traced) != _structure(desc):
+                raise _structure_mismatch(leaf, desc, traced)
+            _check_graph_constants(leaf, traced, desc)
+    return flat, desc
+
+
+def _run_fake(leaf_ref, plan_index, tensors, arguments, real_desc):
+    """Called by the core: run the fake for one call (tracers, or validation of
+    the real call whose description is ``real_desc``)."""
+    leaf = _live_leaf(leaf_ref)
+    if leaf._fake is None:
+        raise LeafFunctionError(
+            f"torchleaf: leaf function '{leaf._name}' requires a fake implementation to be traced "
+            f"(torch.compile, make_fx, torch.export, fake tensors) or validated. Register one with "
+            f"@{leaf.__name__}.register_fake; it must return outputs with the same structure, "
+            f"shapes and dtypes as the real function."
+        )
+    plan = leaf._plans[plan_index]
+    try:
+        out = _invoke(leaf, leaf._fake, plan, tensors, arguments, fake=True)
+    except BaseException as e:
+        _add_note(e, f"raised inside the fake implementation of leaf function '{leaf._name}'")
+        raise
+    flat, desc = _flatten_output(leaf, out)
+    _check_fake_constants(leaf, desc)
+    if real_desc is not None:
+        if _structure(real_desc) != _structure(desc):
+            raise _structure_mismatch(leaf, real_desc, desc)
+    elif arguments is None:
+        plan.out = desc  # what a traced graph returns for this call structure
+    return flat
+
+
 # ---------------------------------------------------------------- compilation
 @torch._dynamo.assume_constant_result
-def _intern_for_compile(leaf, skeleton, *modules):
-    """Called by Dynamo at trace time only; its result is a graph constant."""
+def _intern_for_compile(leaf, skeleton, structures):
+    """Called by Dynamo at trace time only; its result is a graph constant.
+    ``skeleton``: the call's arguments with _TENSOR, _MODULE, _INT markers
+    (Dynamo cannot pass a TreeSpec); ``structures``: one per _MODULE."""
     flat, spec = pytree.tree_flatten(skeleton)
-    call = leaf._lookup_call(flat, spec, modules, tracing=True)
-    return call.id, call.order, call.mutated_slots
+    structures = iter(structures)
+    key = tuple((_MODULE_KEY, next(structures)) if x is _MODULE else x for x in flat)
+    plan = leaf._plan_from_key(spec, key, traced=True)
+    return plan.index, plan.slots, plan.mutated
 
 
 @torch._dynamo.assume_constant_result
-def _traced_output(call_id):
-    call = _CALLS[call_id]
-    if call.out is None:
-        raise LeafFunctionError(
-            f"torchleaf: leaf function '{call.leaf._name}' was traced without running its fake "
-            f"implementation; this is a torchleaf bug."
-        )
-    return call.out
+def _traced_output(leaf, plan_index):
+    return leaf._plans[plan_index].out
 
 
 def _tracing_active(tensors):
     if torch._C._len_torch_dispatch_stack() > 0:
         return True
     for t in tensors:
-        if type(t) is not _Tensor and type(t) is not nn.Parameter:
+        if type(t) is not _Tensor and type(t) is not _Parameter:
             return True
     return False
 
@@ -360,8 +479,6 @@ class LeafFunction:
         self._fn = fn
         self._fake = None
         self._name = f"{fn.__module__}.{fn.__qualname__}"
-        self._validate_outputs = validate_outputs
-        self._check_escaped_gradients = check_escaped_gradients
         self._signature = inspect.signature(fn)
         if isinstance(mutates_args, str):
             mutates_args = (mutates_args,)
@@ -373,12 +490,15 @@ class LeafFunction:
                 f"which {'is not a parameter' if len(unknown) == 1 else 'are not parameters'}; "
                 f"its parameters are {list(self._signature.parameters)}."
             )
-        self._calls = {}  # call key -> _Call
-        self._positional = {}  # arity -> _Call for all-tensor positional calls
-        # Base id: calls that pass their _Call per call (see module docstring).
-        self._base_id = _C.define_python_leaf(
-            self._name, _run_real, _run_fake, None, validate_outputs, check_escaped_gradients
+        self._plans = []  # index -> _Plan
+        self._plan_index = {}  # call key -> _Plan
+        self._positional = {}  # arity -> _Plan for all-tensor positional calls
+        self._lock = threading.Lock()
+        # The core holds only a weak reference: the leaf dies with its last user.
+        self._id = _C.define_python_leaf(
+            self._name, _run_real, _run_fake, weakref.ref(self), validate_outputs, check_escaped_gradients
         )
+        weakref.finalize(self, _C.release_python_leaf, self._id)
 
     def register_fake(self, fake):
         """Set the fake implementation: same signature, returns outputs with the
@@ -396,11 +516,11 @@ class LeafFunction:
     def __repr__(self):
         return f"<torchleaf.LeafFunction {self._name}>"
 
-    # -- calls
-    def _mutated_positions(self, flat, spec):
+    # -- plans
+    def _mutated_positions(self, n, spec):
         if not self._mutates_args:
             return frozenset()
-        marked = [object() for _ in flat]
+        marked = [object() for _ in range(n)]
         args, kwargs = pytree.tree_unflatten(marked, spec)
         bound = self._signature.bind(*args, **kwargs)
         ids = set()
@@ -409,69 +529,117 @@ class LeafFunction:
                 ids.update(id(x) for x in pytree.tree_leaves(bound.arguments[name]))
         return frozenset(i for i, m in enumerate(marked) if id(m) in ids)
 
-    def _lookup_call(self, flat, spec, modules, tracing):
-        key = [spec]
-        module_iter = iter(modules)
-        for x in flat:
-            if x is _TENSOR or isinstance(x, _Tensor):
-                key.append(_TENSOR)
-            elif x is _MODULE or isinstance(x, nn.Module):
-                module = next(module_iter)
-                key.append((_MODULE, id(module), _module_state(module)[0]))
-            else:
-                key.append(x)
-        try:
-            key = tuple(key)
-            call = self._calls.get(key)
-        except TypeError:  # unhashable constants: describe the call afresh
-            key, call = None, None
-        if call is not None:
-            return call
-        call = _Call(self, flat, spec, modules)
-        if tracing or (key is not None and len(self._calls) < _MAX_CALLS_PER_LEAF):
-            _register_call(call)
-            if key is not None:
-                self._calls[key] = call
-        return call
+    def _plan_from_key(self, spec, key, traced):
+        """The plan for a call key: per flat argument _TENSOR, a module
+        structure tuple (tagged "module"), _INT/_NEGATIVE_INT, or the constant
+        itself (traced plans; eager keys hold None for constants)."""
+        full_key = (traced, spec, key)
+        plan = self._plan_index.get(full_key)
+        if plan is not None:
+            return plan
+        with self._lock:
+            plan = self._plan_index.get(full_key)
+            if plan is not None:
+                return plan
+            mutated_positions = self._mutated_positions(len(key), spec)
+            template, slots, mutated = [], [], []
+            for pos, k in enumerate(key):
+                if k is _TENSOR:
+                    template.append(None)
+                    if pos in mutated_positions:
+                        mutated.append(pos)
+                    else:
+                        slots.append((_IN_TENSOR, pos, None))
+                elif type(k) is tuple and len(k) == 2 and k[0] is _MODULE_KEY:
+                    template.append(None)
+                    slots.append((_IN_MODULE, pos, k[1]))
+                elif k is _INT or k is _NEGATIVE_INT:
+                    template.append(None)
+                    slots.append((_IN_INT if k is _INT else _IN_NEGATIVE_INT, pos, None))
+                else:
+                    template.append(k)
+            positional = (
+                not traced and all(kind == _IN_TENSOR for kind, _, _ in slots) and not mutated
+                and spec == pytree.tree_structure((tuple(range(len(key))), {}))
+            )
+            plan = _Plan(len(self._plans), spec, tuple(template), tuple(slots), tuple(mutated), traced, positional)
+            self._plans.append(plan)
+            self._plan_index[full_key] = plan
+            return plan
 
+    def _plan_for(self, flat, spec, traced):
+        """(plan, inputs, mutated) for a call's flat arguments."""
+        key = []
+        module_tensors = []
+        handles = []
+        for x in flat:
+            if isinstance(x, _Tensor):
+                key.append(_TENSOR)
+            elif isinstance(x, nn.Module):
+                structure, tensors = _module_structure(x)
+                key.append((_MODULE_KEY, structure))
+                module_tensors.append(tensors)
+                handle = _handle_of(x, structure)  # also on eager calls: later traces need it
+                handles.append(handle.tensor)
+            elif traced:
+                try:
+                    hash(x)
+                except TypeError:
+                    raise LeafFunctionError(
+                        f"torchleaf: leaf function '{self._name}' got an argument of type "
+                        f"{type(x).__name__}, which is not hashable, in a traced call: a traced "
+                        f"graph keeps non-tensor arguments as constants. Pass it as a tensor (e.g. "
+                        f"torch.as_tensor(x)) or make it hashable."
+                    ) from None
+                key.append(x)
+            else:
+                key.append(None)  # eager: the call passes its own constants
+        plan = self._plan_from_key(spec, tuple(key), traced)
+        inputs = []
+        modules = iter(module_tensors)
+        for kind, pos, _ in plan.slots:
+            if kind == _IN_TENSOR:
+                inputs.append(flat[pos])
+            else:
+                inputs.extend(next(modules))
+        if traced:
+            inputs.extend(handles)
+        return plan, inputs, [flat[pos] for pos in plan.mutated]
+
+    # -- calls
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return self._compiled_call(args, kwargs)
         if not kwargs and not self._mutates_args:
             # Fast path: tensors only, by position.
             for a in args:
-                if type(a) is not _Tensor and type(a) is not nn.Parameter:
+                if type(a) is not _Tensor and type(a) is not _Parameter:
                     break
             else:
-                call = self._positional.get(len(args))
-                if call is None:
-                    flat, spec = pytree.tree_flatten((args, {}))
-                    call = self._positional[len(args)] = self._lookup_call(flat, spec, (), tracing=True)
-                outputs, desc = _C.call(call.id, args, (), None)
+                plan = self._positional.get(len(args))
+                if plan is None:
+                    spec = pytree.tree_structure((args, {}))
+                    plan = self._positional[len(args)] = self._plan_from_key(
+                        spec, (_TENSOR,) * len(args), traced=False
+                    )
+                outputs, desc = _C.call(self._id, plan.index, args, (), None)
                 if desc is _SINGLE:
                     return outputs[0]
-                return _decode(desc if desc is not None else call.out, outputs)
+                return _decode(desc if desc is not None else plan.out, outputs)
         flat, spec = pytree.tree_flatten((args, kwargs))
-        modules = [x for x in flat if isinstance(x, nn.Module)]
-        module_tensors = [_module_state(m)[1] for m in modules]
         tensors = [x for x in flat if isinstance(x, _Tensor)]
-        for ts in module_tensors:
-            tensors.extend(ts)
-        tracing = _tracing_active(tensors)
-        if tracing:
-            self._check_not_exporting()
-        call = self._lookup_call(flat, spec, modules, tracing)
-        inputs, mutated = call.split(flat, module_tensors)
-        if call.id is not None:
-            return self._finish(call, _C.call(call.id, inputs, mutated, None))
-        return self._finish(call, _C.call(self._base_id, inputs, mutated, call))
-
-    @staticmethod
-    def _finish(call, result):
-        outputs, desc = result
-        if desc is None:  # traced: the fake described the outputs
-            desc = call.out
-        return _decode(desc, outputs)
+        if not _tracing_active(tensors):
+            plan, inputs, mutated = self._plan_for(flat, spec, traced=False)
+            result = _C.call(self._id, plan.index, inputs, mutated, flat)
+            if result is not None:
+                outputs, desc = result
+                return _decode(desc, outputs)
+            # Something records the call after all (a functorch transform):
+            # describe it for a graph.
+        self._check_not_exporting()
+        plan, inputs, mutated = self._plan_for(flat, spec, traced=True)
+        outputs, desc = _C.call(self._id, plan.index, inputs, mutated, None)
+        return _decode(desc if desc is not None else plan.out, outputs)
 
     def _check_not_exporting(self):
         if torch.compiler.is_exporting():
@@ -483,31 +651,40 @@ class LeafFunction:
             )
 
     def _compiled_call(self, args, kwargs):
-        # Traced by Dynamo: everything but the operator call is constant.
+        # Traced by Dynamo: everything but the tensors (module tensors and
+        # handles included) and carried ints is a graph constant.
         self._check_not_exporting()
         flat, spec = pytree.tree_flatten((args, kwargs))
         skeleton = []
-        modules = []
+        structures = []
         module_tensors = []
+        handles = []
         for x in flat:
             if isinstance(x, _Tensor):
                 skeleton.append(_TENSOR)
             elif isinstance(x, nn.Module):
+                names, tensors = _module_state(x)
+                cls = type(x)
                 skeleton.append(_MODULE)
-                modules.append(x)
-                module_tensors.append(
-                    [p for _, p in x.named_parameters()] + [b for _, b in x.named_buffers()]
-                )
+                structures.append((cls.__module__, cls.__qualname__, names))
+                module_tensors.append(tensors)
+                handle = x.__dict__.get(_HANDLE_ATTR)
+                if handle is None:
+                    handles.append(torch.full((), _sight_module(x), dtype=torch.int64))
+                else:
+                    handles.append(handle.tensor)
             elif type(x) is int:  # not bool or IntEnum: those stay constants
                 # May be symbolic: its value reaches the function through a
                 # carrier's size instead of a graph constant.
                 skeleton.append(_INT if x >= 0 else _NEGATIVE_INT)
             else:
                 skeleton.append(x)
-        call_id, order, mutated_slots = _intern_for_compile(self, pytree.tree_unflatten(skeleton, spec), *modules)
+        plan_index, slots, mutated_positions = _intern_for_compile(
+            self, pytree.tree_unflatten(skeleton, spec), tuple(structures)
+        )
         inputs = []
         module_index = 0
-        for kind, pos in order:
+        for kind, pos, _ in slots:
             if kind == _IN_MODULE:
                 inputs.extend(module_tensors[module_index])
                 module_index += 1
@@ -516,12 +693,13 @@ class LeafFunction:
             else:  # a zero-stride carrier: no memory, size = the int
                 size = flat[pos] if kind == _IN_INT else -flat[pos]
                 inputs.append(torch.empty(()).expand(size))
-        mutated = [flat[pos] for pos in mutated_slots]
+        inputs.extend(handles)
+        mutated = [flat[pos] for pos in mutated_positions]
         if mutated:
-            outputs = torch.ops.torchleaf.call_mutating(call_id, inputs, mutated)
+            outputs = torch.ops.torchleaf.call_mutating(self._id, plan_index, inputs, mutated)
         else:
-            outputs = torch.ops.torchleaf.call(call_id, inputs)
-        return _decode(_traced_output(call_id), outputs)
+            outputs = torch.ops.torchleaf.call(self._id, plan_index, inputs)
+        return _decode(_traced_output(self, plan_index), outputs)
 
 
 def leaf_function(fn=None, *, mutates_args=(), validate_outputs=None, check_escaped_gradients=None):

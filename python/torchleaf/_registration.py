@@ -7,7 +7,7 @@ import torch
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 
 from . import _C
-from ._leaf import _CALLS, _run_fake
+from ._errors import LeafFunctionError
 
 # c10::ScalarType code -> torch.dtype, for decoding backward's input metadata.
 _DTYPES = {}
@@ -18,46 +18,59 @@ for _dtype in (
     _DTYPES[_C.scalar_type_code(torch.empty(0, dtype=_dtype))] = _dtype
 
 
-def _fake_leaf(leaf, inputs, mutated):
-    call = _CALLS.get(leaf)
-    if call is not None:
-        return _run_fake(list(inputs) + list(mutated), call)
-    return _C.run_fake(leaf, list(inputs), list(mutated))  # a C++ leaf
+# One fake for every leaf operator: the core runs the leaf's fake (a Python
+# leaf's through its trampoline, a C++ leaf's directly).
+def _fake_call(leaf, plan, inputs):
+    return _C.run_fake(leaf, plan, list(inputs), [])
 
 
-def _fake_call(leaf, inputs):
-    return _fake_leaf(leaf, inputs, ())
+def _fake_forward(leaf, plan, inputs, differentiable):
+    return _fake_call(leaf, plan, inputs), torch.empty((), dtype=torch.int64)
 
 
-def _fake_forward(leaf, inputs, differentiable):
-    return _fake_leaf(leaf, inputs, ()), torch.empty((), dtype=torch.int64)
+def _fake_call_mutating(leaf, plan, inputs, mutated):
+    return _C.run_fake(leaf, plan, list(inputs), list(mutated))
 
 
-def _fake_call_mutating(leaf, inputs, mutated):
-    return _fake_leaf(leaf, inputs, mutated)
+def _fake_forward_mutating(leaf, plan, inputs, mutated, differentiable):
+    return _fake_call_mutating(leaf, plan, inputs, mutated), torch.empty((), dtype=torch.int64)
 
 
-def _fake_forward_mutating(leaf, inputs, mutated, differentiable):
-    return _fake_leaf(leaf, inputs, mutated), torch.empty((), dtype=torch.int64)
+def _fake_call_functional(leaf, plan, inputs, mutated):
+    return _fake_call_mutating(leaf, plan, inputs, mutated), [torch.empty_like(t) for t in mutated]
 
 
-def _fake_call_functional(leaf, inputs, mutated):
-    return _fake_leaf(leaf, inputs, mutated), [torch.empty_like(t) for t in mutated]
-
-
-def _fake_forward_functional(leaf, inputs, mutated, differentiable):
-    outputs, state = _fake_forward_mutating(leaf, inputs, mutated, differentiable)
+def _fake_forward_functional(leaf, plan, inputs, mutated, differentiable):
+    outputs, state = _fake_forward_mutating(leaf, plan, inputs, mutated, differentiable)
     return outputs, state, [torch.empty_like(t) for t in mutated]
 
 
+def _malformed_meta(leaf, input_meta, at, what):
+    return LeafFunctionError(
+        f"torchleaf: leaf function with id {leaf} backward received malformed input_meta "
+        f"({len(input_meta)} entries; at entry {at}: {what}). input_meta must hold [dtype, device "
+        f"type, device index, ndim, sizes...] per differentiable input, as torchleaf::forward's "
+        f"Autograd kernel records it; pass it through unchanged."
+    )
+
+
 def _fake_backward(leaf, state, grads, input_meta):
+    # The mirror of the C++ Meta kernel (decode_input_meta), producing fake
+    # tensors on the inputs' devices rather than meta tensors.
     grads_out = []
     i = 0
-    while i < len(input_meta):
-        dtype = _DTYPES[int(input_meta[i])]
+    n = len(input_meta)
+    while i < n:
+        if n - i < 4:
+            raise _malformed_meta(leaf, input_meta, i, "a record shorter than its 4-entry header")
+        dtype = _DTYPES.get(int(input_meta[i]))
+        if dtype is None:
+            raise _malformed_meta(leaf, input_meta, i, f"dtype code {input_meta[i]} is not a floating type")
         index = int(input_meta[i + 2])
         device = torch.device(_C.device_type_name(int(input_meta[i + 1])), index if index >= 0 else None)
         ndim = int(input_meta[i + 3])
+        if ndim < 0 or ndim > n - i - 4:
+            raise _malformed_meta(leaf, input_meta, i + 3, f"ndim {ndim} does not fit the remaining entries")
         grads_out.append(torch.empty(list(input_meta[i + 4 : i + 4 + ndim]), dtype=dtype, device=device))
         i += 4 + ndim
     return grads_out
@@ -98,7 +111,7 @@ def sync_cpp_leaves():
         _registered_named.add(name)
 
         def fake(inputs, mutated=(), _id=leaf_id):
-            return _C.run_fake(_id, list(inputs), list(mutated))
+            return _C.run_fake(_id, 0, list(inputs), list(mutated))
 
         torch.library.register_fake(name, fake)
         if not mutable:

@@ -131,14 +131,14 @@ TEST(Autograd, ForwardAndBackwardOperatorsOwnTheStateThroughTheHandle) {
   auto leaf = body_leaf();
   auto forward = c10::Dispatcher::singleton()
                      .findSchemaOrThrow("torchleaf::forward", "")
-                     .typed<std::tuple<TensorList, at::Tensor>(int64_t, at::TensorList, at::IntArrayRef)>();
+                     .typed<std::tuple<TensorList, at::Tensor>(int64_t, int64_t, at::TensorList, at::IntArrayRef)>();
   auto backward = c10::Dispatcher::singleton()
                       .findSchemaOrThrow("torchleaf::backward", "")
                       .typed<TensorList(int64_t, const at::Tensor&, const c10::List<std::optional<at::Tensor>>&,
                                         c10::SymIntArrayRef)>();
   auto x = torch::randn({3, 4}, torch::kDouble);
   auto w = torch::randn({4, 5}, torch::kDouble);
-  auto [outs, handle] = forward.call(leaf.id(), {x, w}, {0, 1});
+  auto [outs, handle] = forward.call(leaf.id(), /*plan=*/0, {x, w}, {0, 1});
   EXPECT_EQ(torchleaf::live_states(), 1);
   EXPECT_FALSE(outs[0].requires_grad());
   auto g0 = torch::randn({3, 5}, torch::kDouble);

@@ -12,6 +12,7 @@
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -35,11 +36,11 @@ namespace {
 
 struct LeafBackward final : public Node {
   LeafBackward(
-      const LeafEntry* entry,
+      LeafEntryPtr entry,
       at::Tensor state,
       std::vector<int64_t> differentiable,
       std::vector<c10::SymInt> input_meta)
-      : entry_(entry),
+      : entry_(std::move(entry)),
         state_(std::move(state)),
         differentiable_(std::move(differentiable)),
         input_meta_(std::move(input_meta)) {}
@@ -91,7 +92,7 @@ struct LeafBackward final : public Node {
   }
 
  private:
-  const LeafEntry* entry_;
+  LeafEntryPtr entry_;
   at::Tensor state_;
   std::vector<int64_t> differentiable_;
   std::vector<c10::SymInt> input_meta_;
@@ -99,21 +100,23 @@ struct LeafBackward final : public Node {
 
 TensorList call_mutating_autograd_kernel(
     int64_t leaf,
+    int64_t plan,
     at::TensorList inputs,
     at::TensorList mutated) {
-  if (auto out = call_autograd(get_leaf(leaf), inputs, mutated)) {
+  CallSite site{plan};
+  if (auto out = call_autograd(*get_leaf(leaf), inputs, mutated, site)) {
     return std::move(*out);
   }
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return ops::call(leaf, inputs, mutated);
+  return ops::call(leaf, plan, inputs, mutated);
 }
 
-TensorList call_autograd_kernel(int64_t leaf, at::TensorList inputs) {
-  return call_mutating_autograd_kernel(leaf, inputs, {});
+TensorList call_autograd_kernel(int64_t leaf, int64_t plan, at::TensorList inputs) {
+  return call_mutating_autograd_kernel(leaf, plan, inputs, {});
 }
 
-// True when nothing records this call: no Python dispatch mode or functorch
-// transform is active and every input is a plain, non-meta tensor.
+} // namespace
+
 bool is_plain_eager(at::TensorList inputs, at::TensorList mutated) {
   constexpr auto tracing_keys = c10::DispatchKeySet({
       c10::DispatchKey::Python,
@@ -143,11 +146,14 @@ bool is_plain_eager(at::TensorList inputs, at::TensorList mutated) {
   return true;
 }
 
+namespace {
+
 TensorList call_eager_differentiable(
     const LeafEntry& entry,
     at::TensorList inputs,
     at::TensorList mutated,
-    const std::vector<int64_t>& differentiable) {
+    const std::vector<int64_t>& differentiable,
+    CallSite& site) {
   auto flat = merge_inputs(entry, inputs, mutated);
   std::vector<bool> mask(flat.tensors.size(), false);
   for (auto i : differentiable) {
@@ -166,7 +172,7 @@ TensorList call_eager_differentiable(
   }
   std::shared_ptr<CapturedState> state;
   TensorList outputs =
-      run_real(entry, flat.tensors, flat.is_mutable, &mask, &state, &caller_edges);
+      run_real(entry, flat.tensors, flat.is_mutable, site, &mask, &state, &caller_edges);
   attach_to_caller(entry, *state, caller_edges, captured, outputs);
   return outputs;
 }
@@ -176,7 +182,8 @@ TensorList call_eager_differentiable(
 std::optional<TensorList> call_autograd(
     const LeafEntry& entry,
     at::TensorList inputs,
-    at::TensorList mutated) {
+    at::TensorList mutated,
+    CallSite& site) {
   std::vector<int64_t> differentiable;
   if (at::GradMode::is_enabled()) {
     for (size_t i = 0; i < inputs.size(); ++i) {
@@ -199,7 +206,7 @@ std::optional<TensorList> call_autograd(
     return std::nullopt;
   }
   if (is_plain_eager(inputs, mutated)) {
-    return call_eager_differentiable(entry, inputs, mutated, differentiable);
+    return call_eager_differentiable(entry, inputs, mutated, differentiable, site);
   }
 
   std::vector<c10::SymInt> input_meta;
@@ -210,10 +217,10 @@ std::optional<TensorList> call_autograd(
   at::Tensor state;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    std::tie(outputs, state) = ops::forward(entry.id, inputs, mutated, differentiable);
+    std::tie(outputs, state) = ops::forward(entry.id, site.plan, inputs, mutated, differentiable);
   }
   auto node = c10::make_intrusive<LeafBackward>(
-      &entry, std::move(state), std::move(differentiable), std::move(input_meta));
+      entry.shared_from_this(), std::move(state), std::move(differentiable), std::move(input_meta));
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   for (auto& out : outputs) {
     if (torch::autograd::isDifferentiableType(out.scalar_type())) {
@@ -223,6 +230,20 @@ std::optional<TensorList> call_autograd(
     }
   }
   return outputs;
+}
+
+TensorList call_eager(
+    const LeafEntry& entry,
+    at::TensorList inputs,
+    at::TensorList mutated,
+    CallSite& site) {
+  // What the dispatcher would record for torchleaf::call, for profilers.
+  RECORD_FUNCTION("torchleaf::call", c10::ArrayRef<const c10::IValue>{});
+  if (auto out = call_autograd(entry, inputs, mutated, site)) {
+    return std::move(*out);
+  }
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return call_real(entry, inputs, mutated, site);
 }
 
 TORCH_LIBRARY_IMPL(torchleaf, Autograd, m) {

@@ -1,0 +1,128 @@
+// The torchleaf operators are reachable from any C++ caller with arbitrary
+// arguments: malformed ones get clear errors, never a crash or an
+// out-of-bounds read (this suite also runs under `make sanitize`).
+#include "test_util.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+using torchleaf::TensorList;
+
+namespace {
+
+using ForwardSig = std::tuple<TensorList, at::Tensor>(int64_t, int64_t, at::TensorList, at::IntArrayRef);
+using BackwardSig = TensorList(
+    int64_t, const at::Tensor&, const c10::List<std::optional<at::Tensor>>&, c10::SymIntArrayRef);
+
+c10::TypedOperatorHandle<ForwardSig> forward_op() {
+  return c10::Dispatcher::singleton().findSchemaOrThrow("torchleaf::forward", "").typed<ForwardSig>();
+}
+
+c10::TypedOperatorHandle<BackwardSig> backward_op() {
+  return c10::Dispatcher::singleton().findSchemaOrThrow("torchleaf::backward", "").typed<BackwardSig>();
+}
+
+torchleaf::LeafFunction square_leaf() {
+  return torchleaf::define_leaf(
+      unique_name("square"),
+      [](const TensorList& in) { return TensorList{in[0] * in[0]}; },
+      [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; });
+}
+
+std::vector<c10::SymInt> meta(std::initializer_list<int64_t> values) {
+  return std::vector<c10::SymInt>(values.begin(), values.end());
+}
+
+} // namespace
+
+TEST(Operators, UnknownLeafIds) {
+  auto x = torch::ones({2});
+  EXPECT_THROW_WITH(forward_op().call(12345, 0, {x}, {0}), "no leaf function has id 12345");
+  // Ids with the named bit set name C++ leaves.
+  EXPECT_THROW_WITH(
+      forward_op().call(int64_t{1} << 62 | 7, 0, {x}, {0}), "no C++ leaf function has id");
+}
+
+TEST(Operators, MalformedInputMetaIsAnErrorInTheMetaKernel) {
+  auto leaf = square_leaf();
+  auto state = torch::empty({}, torch::dtype(torch::kLong).device(torch::kMeta));
+  c10::List<std::optional<at::Tensor>> grads({torch::empty({2}, torch::device(torch::kMeta))});
+  auto backward = backward_op();
+  const auto f32 = static_cast<int64_t>(at::kFloat);
+  const auto cpu = static_cast<int64_t>(c10::DeviceType::CPU);
+  // Well formed: one 1-d float input of size 2.
+  auto ok = backward.call(leaf.id(), state, grads, meta({f32, cpu, -1, 1, 2}));
+  ASSERT_EQ(ok.size(), 1u);
+  EXPECT_EQ(ok[0].sizes(), at::IntArrayRef({2}));
+  EXPECT_THROW_WITH(backward.call(leaf.id(), state, grads, meta({f32, cpu})),
+                    "shorter than its 4-entry header");
+  EXPECT_THROW_WITH(backward.call(leaf.id(), state, grads, meta({f32, cpu, -1, 1000, 2})),
+                    "ndim 1000 does not fit");
+  EXPECT_THROW_WITH(backward.call(leaf.id(), state, grads, meta({f32, cpu, -1, -1})),
+                    "ndim -1 does not fit");
+  EXPECT_THROW_WITH(backward.call(leaf.id(), state, grads, meta({999, cpu, -1, 0})),
+                    "unknown dtype code 999");
+  EXPECT_THROW_WITH(backward.call(leaf.id(), state, grads, meta({f32, 4096, -1, 0})),
+                    "unknown device type code 4096");
+  EXPECT_THROW_WITH(backward.call(leaf.id(), state, grads, meta({f32, cpu, -1, 1, -3})),
+                    "negative size -3");
+  // The message names the leaf.
+  EXPECT_THROW_WITH(backward.call(leaf.id(), state, grads, meta({f32})), leaf.name());
+}
+
+TEST(Operators, StateHandlesAreChecked) {
+  auto leaf = square_leaf();
+  auto other = square_leaf();
+  auto x = torch::randn({3});
+  auto [outs, handle] = forward_op().call(leaf.id(), 0, {x}, {0});
+  auto [other_outs, other_handle] = forward_op().call(other.id(), 0, {x}, {0});
+  c10::List<std::optional<at::Tensor>> grads({torch::ones({3})});
+  auto backward = backward_op();
+
+  auto good = backward.call(leaf.id(), handle, grads, {});
+  EXPECT_TRUE(torch::allclose(good[0], 2 * x));
+  EXPECT_THROW_WITH(backward.call(leaf.id(), torch::zeros({}), grads, {}), "is not a state handle");
+  EXPECT_THROW_WITH(
+      backward.call(leaf.id(), torch::zeros({2}, torch::kLong), grads, {}), "is not a state handle");
+  // An int64 scalar that merely holds a live state's number is not a handle.
+  EXPECT_THROW_WITH(
+      backward.call(leaf.id(), handle.clone(), grads, {}), "is not a state handle");
+  EXPECT_THROW_WITH(backward.call(leaf.id(), at::Tensor(), grads, {}), "is not a state handle");
+  EXPECT_THROW_WITH(backward.call(leaf.id(), other_handle, grads, {}),
+                    "received the state handle of a call of leaf function '" + other.name());
+  // A wrong number of gradients.
+  c10::List<std::optional<at::Tensor>> two({torch::ones({3}), torch::ones({3})});
+  EXPECT_THROW_WITH(backward.call(leaf.id(), handle, two, {}), "received 2 gradient(s) for 1 output(s)");
+  // Still usable, and nothing leaked.
+  EXPECT_TRUE(torch::allclose(backward.call(leaf.id(), handle, grads, {})[0], 2 * x));
+  handle.reset();
+  other_handle.reset();
+  EXPECT_EQ(torchleaf::live_states(), 0);
+}
+
+TEST(Operators, DifferentiableIndicesAreChecked) {
+  auto leaf = square_leaf();
+  auto x = torch::randn({3});
+  EXPECT_THROW_WITH(forward_op().call(leaf.id(), 0, {x}, {3}), "differentiable input index 3 is out of range");
+  EXPECT_THROW_WITH(forward_op().call(leaf.id(), 0, {x}, {-1}), "differentiable input index -1 is out of range");
+  EXPECT_EQ(torchleaf::live_states(), 0);
+}
+
+// A failed definition publishes nothing: the name stays free for a retry.
+TEST(Operators, FailedDefinitionLeavesNoTrace) {
+  const std::string name = "cpptest_taken::op";
+  auto squatter = std::make_unique<torch::Library>(
+      torch::Library::FRAGMENT, "cpptest_taken", std::nullopt, __FILE__, __LINE__);
+  squatter->def("op(Tensor x) -> Tensor");
+  auto twice = [](const TensorList& in) { return TensorList{in[0] * 2}; };
+  try {
+    torchleaf::define_leaf(name, twice);
+    ADD_FAILURE() << "defining over an existing operator should fail";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(std::string(e.what()).find("is already defined"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(torchleaf::find_leaf(name).has_value());
+  squatter.reset(); // the operator is gone: now the name is free
+  auto leaf = torchleaf::define_leaf(name, twice);
+  EXPECT_TRUE(torchleaf::find_leaf(name).has_value());
+  EXPECT_TRUE(torch::allclose(leaf({torch::ones({2})})[0], torch::full({2}, 2.0)));
+}
