@@ -75,7 +75,10 @@ class _ModuleHandle:
         ref = _MODULES.get(self.value)
         owner = ref() if ref is not None else None
         copy = memo.get(id(owner)) if owner is not None else None
-        return _ModuleHandle(copy, _module_structure(copy)[0]) if copy is not None else _ModuleHandle(None, None)
+        if copy is None:
+            return _ModuleHandle(None, None)
+        # The copy's own state is not set yet; it has the original's structure.
+        return _ModuleHandle(copy, _module_structure(owner)[0])
 
     def __reduce__(self):
         # Handle values are process-local: an unpickled module gets a new
@@ -286,10 +289,11 @@ def _add_note(e, note):
 
 # ----------------------------------------------------------------------- plans
 # Kinds of operator inputs, in a plan's order.
-_IN_TENSOR, _IN_MODULE, _IN_INT, _IN_NEGATIVE_INT = range(4)
+_IN_TENSOR, _IN_MODULE, _IN_INT, _IN_NEGATIVE_INT, _IN_NDARRAY = range(5)
 _TENSOR = "\x00torchleaf:tensor"  # stands for a tensor in a call's key
 _MODULE = "\x00torchleaf:module"  # stands for a module in a compiled call's skeleton
 _MODULE_KEY = "\x00torchleaf:module"  # tags (tag, structure) module entries of a key
+_NDARRAY = "\x00torchleaf:ndarray"  # a numpy array a traced call passes as a tensor
 _INT = "\x00torchleaf:int"  # an int a compiled program passes as a carrier's size
 _NEGATIVE_INT = "\x00torchleaf:-int"
 
@@ -326,6 +330,12 @@ class _Plan:
         for kind, pos, structure in self.slots:
             if kind == _IN_TENSOR:
                 flat[pos] = tensors[k]
+                k += 1
+            elif kind == _IN_NDARRAY:
+                # The real function gets its array back (sharing memory);
+                # a fake, running on fake tensors, gets the tensor.
+                t = tensors[k]
+                flat[pos] = t if fake and (type(t) is not _Tensor or t.is_meta) else t.numpy()
                 k += 1
             elif kind == _IN_MODULE:
                 n = len(structure[2])
@@ -455,6 +465,11 @@ def _traced_output(leaf, plan_index):
     return leaf._plans[plan_index].out
 
 
+def _is_ndarray(x):
+    cls = type(x)
+    return cls.__name__ == "ndarray" and cls.__module__ == "numpy"
+
+
 def _tracing_active(tensors):
     if torch._C._len_torch_dispatch_stack() > 0:
         return True
@@ -516,6 +531,17 @@ class LeafFunction:
     def __repr__(self):
         return f"<torchleaf.LeafFunction {self._name}>"
 
+    # Like a function: copied and pickled by reference (a model holding a
+    # leaf can be deep-copied, and saved when the leaf is a module global).
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return self.__qualname__
+
     # -- plans
     def _mutated_positions(self, n, spec):
         if not self._mutates_args:
@@ -556,6 +582,9 @@ class LeafFunction:
                 elif k is _INT or k is _NEGATIVE_INT:
                     template.append(None)
                     slots.append((_IN_INT if k is _INT else _IN_NEGATIVE_INT, pos, None))
+                elif k is _NDARRAY:
+                    template.append(None)
+                    slots.append((_IN_NDARRAY, pos, None))
                 else:
                     template.append(k)
             positional = (
@@ -581,6 +610,8 @@ class LeafFunction:
                 module_tensors.append(tensors)
                 handle = _handle_of(x, structure)  # also on eager calls: later traces need it
                 handles.append(handle.tensor)
+            elif traced and _is_ndarray(x):
+                key.append(_NDARRAY)
             elif traced:
                 try:
                     hash(x)
@@ -600,6 +631,8 @@ class LeafFunction:
         for kind, pos, _ in plan.slots:
             if kind == _IN_TENSOR:
                 inputs.append(flat[pos])
+            elif kind == _IN_NDARRAY:
+                inputs.append(torch.from_numpy(flat[pos]))
             else:
                 inputs.extend(next(modules))
         if traced:
@@ -677,6 +710,8 @@ class LeafFunction:
                 # May be symbolic: its value reaches the function through a
                 # carrier's size instead of a graph constant.
                 skeleton.append(_INT if x >= 0 else _NEGATIVE_INT)
+            elif _is_ndarray(x):  # Dynamo holds arrays as tensors
+                skeleton.append(_NDARRAY)
             else:
                 skeleton.append(x)
         plan_index, slots, mutated_positions = _intern_for_compile(
@@ -690,6 +725,8 @@ class LeafFunction:
                 module_index += 1
             elif kind == _IN_TENSOR:
                 inputs.append(flat[pos])
+            elif kind == _IN_NDARRAY:
+                inputs.append(torch.as_tensor(flat[pos]))
             else:  # a zero-stride carrier: no memory, size = the int
                 size = flat[pos] if kind == _IN_INT else -flat[pos]
                 inputs.append(torch.empty(()).expand(size))

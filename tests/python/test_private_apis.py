@@ -1,0 +1,62 @@
+"""The private PyTorch APIs torchleaf depends on (docs/design.md, "Private
+PyTorch APIs"), each checked for the behaviour torchleaf relies on, so that a
+PyTorch upgrade that changes one fails here, by name, rather than somewhere
+deep in a compiled program."""
+
+import inspect
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torchleaf
+
+
+def test_assume_constant_result_is_evaluated_at_trace_time_and_baked_in():
+    calls = []
+
+    @torch._dynamo.assume_constant_result
+    def constant(tag):
+        calls.append(tag)
+        return 3
+
+    f = torch.compile(lambda x: x * constant("k"), backend="eager", fullgraph=True)
+    torch.testing.assert_close(f(torch.ones(2)), torch.full((2,), 3.0))
+    torch.testing.assert_close(f(torch.ones(2)), torch.full((2,), 3.0))
+    assert calls == ["k"]  # once, at trace time
+
+
+def test_effectful_op_registration_orders_torchleaf_calls():
+    from torch._higher_order_ops.effects import _EffectType, _get_effect, _register_effectful_op
+
+    assert callable(_register_effectful_op)
+    assert _get_effect(torch.ops.torchleaf.call.default) == _EffectType.ORDERED
+    assert _get_effect(torch.ops.torchleaf.forward.default) == _EffectType.ORDERED
+    assert _get_effect(torch.ops.torchleaf.backward.default) is None
+
+
+def test_reparametrize_module_takes_the_arguments_torchleaf_passes():
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    params = inspect.signature(_reparametrize_module).parameters
+    assert {"module", "parameters_and_buffers", "tie_weights", "strict"} <= set(params)
+    lin = torch.nn.Linear(2, 2)
+    w = torch.zeros(2, 2)
+    with _reparametrize_module(lin, {"weight": w, "bias": torch.ones(2)}, tie_weights=False, strict=True):
+        assert lin.weight is w
+    assert isinstance(lin.weight, torch.nn.Parameter)
+
+
+def test_len_torch_dispatch_stack_counts_active_modes():
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
+        assert torch._C._len_torch_dispatch_stack() == 1
+
+
+def test_compile_cache_key_tag_carries_the_operator_schema_version():
+    tag = torch.compiler.config.cache_key_tag
+    assert f"torchleaf-ops-v{torchleaf._C.OPERATOR_SCHEMA_VERSION}" in tag.split(";")

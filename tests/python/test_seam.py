@@ -1,0 +1,403 @@
+"""The Python <-> C++ seam: one core entry per leaf, call plans keyed by
+structure, results returned with the call that made them, nothing immortal
+that holds user objects. Each test here failed on the design it replaced."""
+
+import copy
+import gc
+import threading
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import torchleaf
+from torchleaf import LeafFunctionError
+
+BACKENDS = ["eager", "aot_eager", "inductor"]
+
+
+def test_a_real_call_through_the_operator_leaves_nothing_for_another_leaf():
+    @torchleaf.leaf_function
+    def triple(x):
+        return (x * 3,)
+
+    @triple.register_fake
+    def _(x):
+        return (torch.empty_like(x),)
+
+    gm = make_fx(lambda x: triple(x), tracing_mode="symbolic")(torch.randn(3))
+    x = torch.randn(3)
+    torch.testing.assert_close(gm(x), (x * 3,))  # a real call through torchleaf::call
+
+    @torchleaf.leaf_function
+    def positives(x):
+        return (x.relu(), (x > 0).nonzero())
+
+    @positives.register_fake
+    def _(x):
+        return (torch.empty_like(x), (x > 0).nonzero())
+
+    gm2 = make_fx(lambda x: positives(x), tracing_mode="symbolic")(torch.randn(5, 4))
+    x = torch.randn(5, 4)
+    out = gm2(x)
+    assert len(out) == 2
+    torch.testing.assert_close(out[0], x.relu())
+    torch.testing.assert_close(out[1], (x > 0).nonzero())
+
+
+def test_validation_error_names_the_leaf_after_an_unrelated_real_call():
+    @torchleaf.leaf_function
+    def unrelated(x):
+        return x + 1
+
+    @unrelated.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    gm = make_fx(lambda x: unrelated(x), tracing_mode="fake")(torch.ones(2))
+    gm(torch.ones(2))  # runs a real call through the operator first
+
+    @torchleaf.leaf_function(validate_outputs=True)
+    def drifting(x):
+        return x * 2, x * 3
+
+    @drifting.register_fake
+    def _(x):
+        return (torch.empty_like(x),)
+
+    with pytest.raises(LeafFunctionError, match=r"'[\w.<>]*drifting' returned a different output structure"):
+        drifting(torch.ones(2))
+    assert torchleaf.live_states() == 0
+
+
+def _nested_leaves():
+    @torchleaf.leaf_function
+    def inner(x):
+        return x.sin() * 2
+
+    @inner.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    @torchleaf.leaf_function
+    def outer(x, w):
+        return inner(x * w) + w
+
+    @outer.register_fake
+    def _(x, w):
+        return torch.empty_like(x)
+
+    return outer
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_a_leaf_calling_another_leaf(backend):
+    outer = _nested_leaves()
+
+    def program(x, w):
+        return outer(x, w)
+
+    def reference(x, w):
+        return (x * w).sin() * 2 + w
+
+    run = program if backend is None else torch.compile(program, backend=backend, fullgraph=True)
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    out = run(x, w)
+    gx, gw = torch.autograd.grad(out.sum(), (x, w))
+    ex, ew = torch.autograd.grad(reference(x, w).sum(), (x, w))
+    torch.testing.assert_close(out, reference(x, w))
+    torch.testing.assert_close(gx, ex)
+    torch.testing.assert_close(gw, ew)
+    assert torchleaf.live_states() == 0
+
+
+def test_an_exception_in_one_leaf_then_a_traced_call_of_another():
+    class Boom(Exception):
+        pass
+
+    @torchleaf.leaf_function
+    def fails(x):
+        raise Boom("no")
+
+    @torchleaf.leaf_function
+    def works(x, scale):
+        return x * scale, "done"
+
+    @works.register_fake
+    def _(x, scale):
+        return torch.empty_like(x), "done"
+
+    with pytest.raises(Boom):
+        fails(torch.ones(2, requires_grad=True))
+    gm = make_fx(lambda x: works(x, 3.0), tracing_mode="fake")(torch.ones(2))
+    out, tag = gm(torch.ones(2))
+    torch.testing.assert_close(out, torch.full((2,), 3.0))
+    assert tag == "done"
+    assert torchleaf.live_states() == 0
+
+
+def test_two_threads_alternate_tracing_and_running_different_leaves():
+    def make(k):
+        @torchleaf.leaf_function
+        def leaf(x):
+            return tuple(x * i for i in range(1, k + 1))
+
+        @leaf.register_fake
+        def _(x):
+            return tuple(torch.empty_like(x) for _ in range(k))
+
+        return leaf
+
+    leaves = [make(2), make(3)]
+    errors = []
+    # make_fx itself is not thread-safe (torch.fx patches globals while it
+    # traces): one thread traces while the other runs eager and graph calls.
+    tracing = threading.Lock()
+
+    def worker(k):
+        try:
+            leaf = leaves[k]
+            for step in range(30):
+                x = torch.randn(3)
+                if step % 2:
+                    with tracing:
+                        gm = make_fx(lambda x: leaf(x), tracing_mode="fake")(x)
+                    out = gm(x)
+                else:
+                    out = leaf(x)
+                assert len(out) == k + 2
+                torch.testing.assert_close(out[-1], x * (k + 2))
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive()
+    assert errors == []
+
+
+def test_numpy_and_unhashable_arguments():
+    class Options:  # unhashable: defines __eq__ without __hash__
+        def __init__(self, k):
+            self.k = k
+
+        def __eq__(self, other):
+            return self.k == other.k
+
+    @torchleaf.leaf_function
+    def scale(x, arr, opts, names):
+        return x * float(arr.sum()) + opts.k + len(names)
+
+    @scale.register_fake
+    def _(x, arr, opts, names):
+        return torch.empty_like(x)
+
+    x = torch.ones(2, requires_grad=True)
+    out = scale(x, np.ones(3), Options(2), ["a", "b"])
+    torch.testing.assert_close(out, torch.full((2,), 7.0))
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((2,), 3.0))
+    # Traced, a numpy array travels as a tensor; an unhashable constant cannot
+    # be baked into a graph, and says so.
+    class Config:  # hashable (by identity)
+        k = 1.5
+
+    gm = make_fx(lambda x: scale(x, np.full(3, 2.0), Config(), ["a"]), tracing_mode="fake")(torch.ones(2))
+    torch.testing.assert_close(gm(torch.ones(2)), torch.full((2,), 8.5))
+    with pytest.raises(LeafFunctionError, match=r"'[\w.<>]*scale' got an argument of type Options, which is not hashable"):
+        make_fx(lambda x: scale(x, np.ones(3), Options(1), ["a"]), tracing_mode="fake")(torch.ones(2))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_numpy_array_argument_compiled(backend):
+    @torchleaf.leaf_function
+    def weighted(x, arr):
+        return x * float(np.asarray(arr).sum())
+
+    @weighted.register_fake
+    def _(x, arr):
+        return torch.empty_like(x)
+
+    arr = np.arange(4.0)
+    f = torch.compile(lambda x: weighted(x, arr), backend=backend, fullgraph=True)
+    torch.testing.assert_close(f(torch.ones(2)), torch.full((2,), 6.0))
+    arr[0] = 10.0  # the array is read at run time
+    torch.testing.assert_close(f(torch.ones(2)), torch.full((2,), 16.0))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_non_tensor_outputs_compiled(backend):
+    @torchleaf.leaf_function
+    def counted(x, n):
+        return x * 2, n + 1
+
+    @counted.register_fake
+    def _(x, n):
+        return torch.empty_like(x), n + 1
+
+    f = torch.compile(lambda x: counted(x, 2), backend=backend, fullgraph=True)
+    out, n = f(torch.ones(2))
+    torch.testing.assert_close(out, torch.full((2,), 2.0))
+    assert n == 3
+
+    @torchleaf.leaf_function
+    def placeholder(x):
+        return x * 2, 3
+
+    @placeholder.register_fake
+    def _(x):
+        return torch.empty_like(x), 0  # wrong: the graph would return 0
+
+    g = torch.compile(lambda x: placeholder(x), backend=backend, fullgraph=True)
+    with pytest.raises(LeafFunctionError, match=r"'[\w.<>]*placeholder' returned 3 at output\[1\], but its fake "
+                       r"implementation returned 0 there"):
+        g(torch.ones(2))
+
+
+def _gate():
+    @torchleaf.leaf_function
+    def gate(h, head):
+        scores = head(h)
+        if scores.abs().max() > 1e6:  # data-dependent control flow
+            print("large scores")
+        return scores.tanh()
+
+    @gate.register_fake
+    def _(h, head):
+        return h.new_empty(h.shape[0], head.out_features)
+
+    return gate
+
+
+class _Layer(nn.Module):
+    def __init__(self, gate):
+        super().__init__()
+        self.head = nn.Linear(8, 8)
+        self.gate = gate
+
+    def forward(self, x):
+        return self.gate(x, self.head) * 2 + x
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ten_layers_compile_to_one_frame(backend):
+    torch._dynamo.reset()
+    gate = _gate()
+    model = nn.Sequential(*[_Layer(gate) for _ in range(10)]).double()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    compiled(x).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad()
+    x.grad = None
+    model(x).sum().backward()
+    for got, expected in zip(grads, [p.grad for p in model.parameters()] + [x.grad]):
+        torch.testing.assert_close(got, expected)
+    assert counter.frame_count == 1
+
+    # One compiled function for every layer: modules are inputs, not constants.
+    per_layer = CompileCounterWithBackend(backend)
+    run = torch.compile(lambda layer, x: layer(x), backend=per_layer, fullgraph=True)
+    with torch.no_grad():
+        for layer in model:
+            torch.testing.assert_close(run(layer, x), layer(x))
+    assert per_layer.frame_count == 1
+
+
+def test_a_copied_model_runs_with_its_own_module():
+    torch._dynamo.reset()
+    gate = _gate()
+    model = _Layer(gate)
+    x = torch.randn(2, 8)
+    model(x)  # seen eagerly
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        clone.head.weight.mul_(-1)
+    run = torch.compile(lambda m, x: m(x), backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(run(model, x), model(x))
+        torch.testing.assert_close(run(clone, x), clone(x))
+        assert not torch.allclose(clone(x), model(x))
+
+
+def test_inductor_may_reuse_an_output_buffer_the_captured_graph_saved():
+    """tanh saves its result for backward; Inductor computed `out * 2` in the
+    output's own buffer, corrupting that saved result."""
+    torch._dynamo.reset()
+
+    @torchleaf.leaf_function
+    def squash(x, w):
+        return (x @ w).tanh()
+
+    @squash.register_fake
+    def _(x, w):
+        return x.new_empty(x.shape[0], w.shape[1])
+
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    f = torch.compile(lambda x, w: squash(x, w) * 2, backend="inductor", fullgraph=True)
+    got = torch.autograd.grad(f(x, w).sum(), (x, w))
+    expected = torch.autograd.grad(((x @ w).tanh() * 2).sum(), (x, w))
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_models_leaves_and_module_arguments_are_collected(compiled):
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(3, 3)
+
+            @torchleaf.leaf_function
+            def inner(x, m):
+                return m(x) * 2
+
+            @inner.register_fake
+            def _(x, m):
+                return torch.empty_like(x)
+
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x, self.head)
+
+    gc.collect()
+    leaves_before = torchleaf._C.leaf_count()
+    model = Model()
+    refs = [weakref.ref(model), weakref.ref(model.head), weakref.ref(model.inner)]
+    x = torch.randn(2, 3, requires_grad=True)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+    run(x).sum().backward()
+    assert torchleaf._C.leaf_count() == leaves_before + 1
+    del model, run
+    torch._dynamo.reset()
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+    assert torchleaf._C.leaf_count() == leaves_before
+    assert torchleaf.live_states() == 0
+
+
+def test_a_graph_that_outlives_its_leaf_fails_clearly():
+    @torchleaf.leaf_function
+    def temporary(x):
+        return x + 1
+
+    @temporary.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    gm = make_fx(lambda x: temporary(x), tracing_mode="fake")(torch.ones(2))
+    torch.testing.assert_close(gm(torch.ones(2)), torch.full((2,), 2.0))
+    del temporary, _
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no leaf function has id .* its Python function was deleted"):
+        gm(torch.ones(2))
