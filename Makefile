@@ -6,7 +6,7 @@ BUILD_DIR := build/py
 PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
 DEB_PACKAGES := libgtest-dev libbenchmark-dev
 PY_DEPS := torch==2.13.0 "optree>=0.13" "pybind11>=2.12" "scikit-build-core>=0.10" ninja cmake \
-           "pytest>=8" "hypothesis>=6" numpy matplotlib
+           "pytest>=8" "pytest-randomly>=3.15" "hypothesis>=6" numpy matplotlib
 
 .PHONY: all deps build test test-cpp test-python demo bench bench-quick sanitize clean
 
@@ -15,7 +15,7 @@ all: build
 deps:
 	@dpkg -s $(DEB_PACKAGES) >/dev/null 2>&1 || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEB_PACKAGES) >/dev/null)
-	@$(PYTHON) -c "import torch, optree, pybind11, scikit_build_core, pytest, hypothesis, numpy, matplotlib; \
+	@$(PYTHON) -c "import torch, optree, pybind11, scikit_build_core, pytest, pytest_randomly, hypothesis, numpy, matplotlib; \
 	  assert torch.__version__.startswith('2.13.0')" 2>/dev/null || $(PIP) $(PY_DEPS)
 
 # Editable install; scikit-build-core drives CMake and builds libtorchleaf,
@@ -28,8 +28,15 @@ test: build test-cpp test-python
 test-cpp:
 	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 600
 
+# The Python suite runs in random order (pytest-randomly). The seed is printed
+# first, also under -q (which hides pytest's header); rerun one order with
+# `make test-python SEED=N`.
+SEED ?=
 test-python:
-	TORCHLEAF_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m pytest tests/python benchmarks/test_quick.py -q
+	@seed=$(SEED); seed=$${seed:-$$($(PYTHON) -c 'import random; print(random.randrange(2**32))')}; \
+	echo "Using --randomly-seed=$$seed"; \
+	TORCHLEAF_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m pytest tests/python benchmarks/test_quick.py -q \
+	  -p randomly --randomly-seed=$$seed
 
 demo: build
 	$(PYTHON) examples/demo.py

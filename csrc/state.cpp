@@ -4,8 +4,6 @@
 #include <c10/core/Storage.h>
 
 #include <atomic>
-#include <mutex>
-#include <unordered_map>
 
 #include <torchleaf/errors.h>
 #include <torchleaf/leaf.h>
@@ -13,56 +11,36 @@
 namespace torchleaf {
 namespace {
 
-struct StateTable {
-  std::mutex mutex;
-  std::unordered_map<int64_t, std::shared_ptr<CapturedState>> states;
-  int64_t next_id = 1;
-};
+std::atomic<int64_t> g_live_states{0};
+std::atomic<int64_t> g_next_handle_value{1};
 
-StateTable& table() {
-  static auto* instance = new StateTable(); // leaked: see registry.cpp
-  return *instance;
-}
-
-// The handle's storage: its data is the id, its deleter releases the state.
+// What a handle's storage owns. The state lives in the DataPtr's context,
+// out of reach of the tensor's data (which only shows a number for
+// debugging): writing into a handle cannot make it name another state.
 struct HandleBox {
-  int64_t id;
+  int64_t value;
+  std::shared_ptr<CapturedState> state;
 };
 
-void release_handle(void* data) {
-  auto* box = static_cast<HandleBox*>(data);
-  std::shared_ptr<CapturedState> doomed;
-  {
-    auto& t = table();
-    std::lock_guard<std::mutex> lock(t.mutex);
-    auto it = t.states.find(box->id);
-    if (it != t.states.end()) {
-      doomed = std::move(it->second);
-      t.states.erase(it);
-    }
-  }
-  delete box;
-  // `doomed` dies here, outside the lock: freeing a graph can free handles
-  // of nested leaf calls, which re-enter this function.
+void release_handle(void* context) {
+  // Deleting the box frees the state: freeing a graph can free handles of
+  // nested leaf calls, which re-enter this function (no lock is held).
+  delete static_cast<HandleBox*>(context);
+  g_live_states.fetch_sub(1, std::memory_order_relaxed);
 }
 
 } // namespace
 
 at::Tensor make_state_handle(std::shared_ptr<CapturedState> state) {
-  auto& t = table();
-  auto* box = new HandleBox{0};
-  {
-    std::lock_guard<std::mutex> lock(t.mutex);
-    box->id = t.next_id++;
-    t.states.emplace(box->id, std::move(state));
-  }
-  static_assert(offsetof(HandleBox, id) == 0, "the id must be the data");
+  auto* box = new HandleBox{
+      g_next_handle_value.fetch_add(1, std::memory_order_relaxed), std::move(state)};
+  g_live_states.fetch_add(1, std::memory_order_relaxed);
   // A storage whose deleter is release_handle (a plain function pointer: no
   // std::function per call, unlike at::from_blob).
   c10::Storage storage(
       c10::Storage::use_byte_size_t(),
       sizeof(int64_t),
-      c10::DataPtr(box, box, &release_handle, c10::Device(c10::kCPU)),
+      c10::DataPtr(&box->value, box, &release_handle, c10::Device(c10::kCPU)),
       /*allocator=*/nullptr,
       /*resizable=*/false);
   auto handle = at::detail::make_tensor<c10::TensorImpl>(
@@ -98,30 +76,19 @@ std::shared_ptr<CapturedState> lookup_state(
       "); pass the 0-dim int64 handle that torchleaf::forward returned for "
       "this call itself: a copy of it is not a handle, since the state lives "
       "exactly as long as the handle's own storage.");
-  const int64_t id = *handle.const_data_ptr<int64_t>();
-  auto& t = table();
-  std::lock_guard<std::mutex> lock(t.mutex);
-  auto it = t.states.find(id);
+  const auto* box =
+      static_cast<const HandleBox*>(handle.storage().data_ptr().get_context());
   TORCHLEAF_CHECK(
-      it == t.states.end() || it->second->entry.get() == &entry,
+      box->state->entry.get() == &entry,
       entry.name,
       "backward received the state handle of a call of leaf function '",
-      it == t.states.end() ? "" : it->second->entry->name,
+      box->state->entry->name,
       "'; pass the handle that this leaf's forward returned.");
-  TORCHLEAF_CHECK(
-      it != t.states.end(),
-      entry.name,
-      "cannot run backward: the autograd state saved by its forward call was "
-      "already released (backward ran once without retain_graph=True, or "
-      "the graph was freed). Pass retain_graph=True to the first backward "
-      "to backpropagate through the same call twice.");
-  return it->second;
+  return box->state;
 }
 
 int64_t live_state_count() {
-  auto& t = table();
-  std::lock_guard<std::mutex> lock(t.mutex);
-  return static_cast<int64_t>(t.states.size());
+  return g_live_states.load(std::memory_order_relaxed);
 }
 
 int64_t live_states() {

@@ -36,14 +36,14 @@ struct CapturedState {
   std::vector<std::pair<torch::autograd::Edge*, size_t>> sink_uses;
 };
 
-// Registers `state` and returns its handle: a 0-dim int64 CPU tensor whose
-// value names the state. The state is released when the handle's storage is
-// freed, so it lives exactly as long as the autograd graph that saved it.
+// Returns the handle that owns `state`: a 0-dim int64 CPU tensor whose
+// storage holds the state. The state is released when the handle's storage
+// is freed, so it lives exactly as long as the autograd graph that saved it.
 at::Tensor make_state_handle(std::shared_ptr<CapturedState> state);
 
-// The state named by `handle`, which `entry`'s forward made; a clear error
-// naming the leaf when it was released already, when `handle` is not a
-// state handle, or when it belongs to another leaf.
+// The state owned by `handle`, which `entry`'s forward made; a clear error
+// naming the leaf when `handle` is not a state handle (a copy is not) or
+// belongs to another leaf.
 std::shared_ptr<CapturedState> lookup_state(
     const at::Tensor& handle,
     const LeafEntry& entry);

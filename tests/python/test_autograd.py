@@ -10,6 +10,8 @@ import torch
 from functorch.compile import aot_function, nop
 from torch import nn
 from torch.autograd import gradcheck, gradgradcheck
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.flop_counter import FlopCounterMode
 
 import torchleaf
 from torchleaf import LeafFunctionError
@@ -171,14 +173,132 @@ def test_double_backward_matches_the_function():
 
 
 def test_released_state_is_a_clear_error():
+    """Eager calls attach their captured graph to the caller's, so a second
+    backward without retain_graph=True meets PyTorch's own check."""
     leaf = _leaf(_body, _body_fake)
     x = torch.randn(2, 4, requires_grad=True)
     loss = leaf(x, torch.randn(4, 3)).sum()
     loss.backward()
-    with pytest.raises(RuntimeError, match="second time|already released"):
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
         loss.backward()
+    del loss
+    assert torchleaf.live_states() == 0
     # The process stays usable.
-    leaf(x, torch.randn(4, 3)).sum().backward()
+    x.grad = None
+    w = torch.randn(4, 3)
+    leaf(x, w).sum().backward()
+    torch.testing.assert_close(x.grad, torch.autograd.grad(_body(x, w).sum(), x)[0])
+
+
+_RELEASED = (
+    r"leaf function '[\w.<>]*\.{}' cannot run backward: its autograd state was already released "
+    r"by an earlier backward\. Pass retain_graph=True to the first backward"
+)
+
+
+@pytest.mark.parametrize("how", ["make_fx", "dispatch_mode"])
+def test_second_backward_of_a_recorded_call_is_a_leaf_function_error(how):
+    """Calls seen by a tracer or a dispatch mode record torchleaf's backward
+    node, which drops the call's state after a backward without
+    retain_graph=True; backpropagating through it again is torchleaf's own
+    error, and nothing is left behind."""
+
+    def released_twice(x):
+        return x * 2  # saves no tensor: only torchleaf's check can fire
+
+    leaf = _leaf(released_twice, torch.empty_like)
+    x = torch.ones(3, requires_grad=True)
+
+    def grads(x, retain):
+        loss = leaf(x).sum()
+        first = torch.autograd.grad(loss, x, retain_graph=retain)[0]
+        return first + torch.autograd.grad(loss, x)[0]
+
+    if how == "make_fx":
+        with pytest.raises(LeafFunctionError, match=_RELEASED.format("released_twice")):
+            make_fx(lambda x: grads(x, retain=False), tracing_mode="fake")(x)
+        assert torchleaf.live_states() == 0
+        # The same program with retain_graph=True traces and runs.
+        gm = make_fx(lambda x: grads(x, retain=True), tracing_mode="fake")(x)
+        torch.testing.assert_close(gm(x), torch.full((3,), 4.0))
+    else:
+        with FlopCounterMode(display=False):
+            loss = leaf(x).sum()
+            loss.backward()
+            torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+            with pytest.raises(LeafFunctionError, match=_RELEASED.format("released_twice")):
+                loss.backward()
+            del loss
+            assert torchleaf.live_states() == 0
+            x.grad = None
+            leaf(x).sum().backward()  # the next call works
+            torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    assert torchleaf.live_states() == 0
+    x.grad = None
+    leaf(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    assert torchleaf.live_states() == 0
+
+
+def _traced_grad_and_state_node(name):
+    """A leaf named `name` (graphs keep only its id: hold on to it), the
+    make_fx graph of its gradient (forward and backward operators) and the
+    graph node that holds the call's state handle."""
+
+    def body(x):
+        return x.exp()
+
+    body.__name__ = body.__qualname__ = name
+    leaf = _leaf(body, torch.empty_like)
+    gm = make_fx(lambda x: torch.autograd.grad(leaf(x).sum(), x)[0], tracing_mode="fake")(
+        torch.ones(3, requires_grad=True)
+    )
+    (backward,) = [n for n in gm.graph.nodes if n.target is torch.ops.torchleaf.backward.default]
+    return leaf, gm, backward.args[1]
+
+
+class _EditHandle(torch.fx.Interpreter):
+    """Runs a graph, passing the state handle through `edit` on its way from
+    torchleaf's forward to its backward."""
+
+    def __init__(self, gm, state_node, edit):
+        super().__init__(gm)
+        self.state_node, self.edit = state_node, edit
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        return self.edit(out) if n is self.state_node else out
+
+
+def test_a_copied_state_handle_is_a_leaf_function_error():
+    """The state lives exactly as long as the handle torchleaf's forward
+    returned; a copy of it (as a pass that snapshots values would make) is
+    refused by backward, naming the leaf."""
+    leaf, gm, state_node = _traced_grad_and_state_node("copied_handle")  # gm needs the leaf alive
+    x = torch.randn(3, requires_grad=True)
+    torch.testing.assert_close(gm(x), x.exp())
+    refused = r"leaf function '[\w.<>]*\.copied_handle' backward received a state argument that is not a state handle"
+    with pytest.raises(LeafFunctionError, match=refused):
+        _EditHandle(gm, state_node, torch.clone).run(x)
+    assert torchleaf.live_states() == 0
+    torch.testing.assert_close(gm(x), x.exp())  # the process stays usable
+    assert torchleaf.live_states() == 0
+
+
+def test_writing_into_a_state_handle_does_not_retarget_it():
+    """A handle owns its state through its storage's context, not through the
+    number its data shows: overwriting the data (here with the number of an
+    earlier, finished call) neither points backward at another state nor
+    keeps this one alive."""
+    leaf, gm, state_node = _traced_grad_and_state_node("retargeted")  # gm needs the leaf alive
+    x = torch.randn(3, requires_grad=True)
+    numbers = []
+    _EditHandle(gm, state_node, lambda h: numbers.append(h.item()) or h).run(x)
+    assert torchleaf.live_states() == 0  # that call's state is released
+    got = _EditHandle(gm, state_node, lambda h: h.fill_(numbers[0])).run(x)
+    torch.testing.assert_close(got, x.exp())
+    gc.collect()
+    assert torchleaf.live_states() == 0
 
 
 def _rss_kib():
@@ -228,7 +348,7 @@ def test_escaped_gradients_are_counted_or_ignored():
         return x * w + b.sum(0).float()
 
     x = torch.randn(3, requires_grad=True)
-    with pytest.raises(LeafFunctionError) as info:
+    with pytest.raises(LeafFunctionError, match=r"closes_over' uses 2 tensor\(s\) that require grad") as info:
         closes_over(x)
     msg = str(info.value)
     assert "closes_over' uses 2 tensor(s) that require grad but are not among its inputs" in msg
@@ -247,7 +367,7 @@ def test_escaped_gradients_are_counted_or_ignored():
     def uses_graph(x):
         return x + h
 
-    with pytest.raises(LeafFunctionError, match="uses 1 tensor"):
+    with pytest.raises(LeafFunctionError, match=r"uses_graph' uses 1 tensor\(s\) that require grad"):
         uses_graph(x)
 
 

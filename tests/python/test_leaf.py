@@ -2,6 +2,7 @@
 declared mutation, validation, errors and the single operator call."""
 
 import collections
+import re
 
 import pytest
 import torch
@@ -70,21 +71,29 @@ def test_module_parameters_and_buffers_are_inputs():
             self.lin = nn.Linear(3, 3)
             self.register_buffer("shift", torch.ones(3))
 
+    seen = []
+
     @torchleaf.leaf_function
     def apply(m, x):
-        assert m.lin.weight is not torch.nn.Parameter  # reparametrised view
+        # Inside the call the module holds the leaf's inputs (plain tensors
+        # reparametrised in), not its own Parameter and buffer objects.
+        w, shift = m.lin.weight, m.shift
+        seen.append((type(w), w is weight, shift is buffer, torch.equal(w, weight), torch.equal(shift, buffer)))
         return m.lin(x) + m.shift
 
     m = Norm()
+    weight, buffer = m.lin.weight, m.shift
     x = torch.randn(2, 3, requires_grad=True)
     out = apply(m, x)
+    assert seen == [(torch.Tensor, False, False, True, True)]
     torch.testing.assert_close(out, m.lin(x) + m.shift)
     out.sum().backward()
     assert m.lin.weight.grad is not None and m.lin.bias.grad is not None
     torch.testing.assert_close(m.lin.bias.grad, torch.full((3,), 2.0))
     torch.testing.assert_close(x.grad, m.lin.weight.sum(0).expand(2, 3))
-    # After the call the module holds its own parameters again.
-    assert isinstance(m.lin.weight, nn.Parameter)
+    # After the call the module holds its own parameters and buffers again.
+    assert m.lin.weight is weight and isinstance(m.lin.weight, nn.Parameter)
+    assert m.shift is buffer
 
 
 def test_methods_of_modules():
@@ -179,13 +188,18 @@ def test_validate_outputs_names_the_difference():
     # The attribute form and a per-leaf override.
     torchleaf.config.validate_outputs = True
     try:
-        with pytest.raises(LeafFunctionError):
+        with pytest.raises(LeafFunctionError, match=r"wrong_shape' output 0 has shape \[3\]"):
             wrong_shape(x)
     finally:
         torchleaf.config.validate_outputs = False
-    strict = torchleaf.leaf_function(validate_outputs=True)(lambda x: x.sum(0))
+    wrong_shape(x)  # the attribute form was reset: not checked again
+
+    def strict_sum(x):
+        return x.sum(0)
+
+    strict = torchleaf.leaf_function(validate_outputs=True)(strict_sum)
     strict.register_fake(lambda x: torch.empty_like(x))
-    with pytest.raises(LeafFunctionError, match="has shape"):
+    with pytest.raises(LeafFunctionError, match=r"strict_sum' output 0 has shape \[3\] but its fake .* \[2, 3\]"):
         strict(x)
     with pytest.raises(AttributeError, match="no flag"):
         with torchleaf.config.patch(no_such_flag=True):
@@ -193,7 +207,36 @@ def test_validate_outputs_names_the_difference():
 
 
 def test_errors_are_leaf_function_errors():
-    assert issubclass(LeafFunctionError, RuntimeError)
+    """What torchleaf raises, from its Python layer and from its C++ core, is
+    exactly torchleaf.LeafFunctionError (a RuntimeError, so `except
+    RuntimeError` handlers still catch it), and the message names the leaf."""
+
+    def declares_unknown(x):
+        return x
+
+    def closes_over(x):  # checked in C++ (capture)
+        return x * w
+
+    def mutates(x):  # checked in C++ (capture)
+        x.add_(1)
+        return x
+
+    w = torch.ones(2, requires_grad=True)
+    triggers = {
+        "declares_unknown": lambda: torchleaf.leaf_function(mutates_args={"y"})(declares_unknown),
+        "closes_over": lambda: torchleaf.leaf_function(closes_over)(torch.ones(2, requires_grad=True)),
+        "mutates": lambda: torchleaf.leaf_function(mutates)(torch.ones(2)),
+    }
+    for name, trigger in triggers.items():
+        try:
+            trigger()
+        except RuntimeError as e:
+            error = e
+        else:
+            pytest.fail(f"{name}: no error")
+        assert type(error) is LeafFunctionError, (name, repr(error))
+        assert re.match(rf"torchleaf: leaf function '[\w.<>]*\.{name}' ", str(error)), str(error)
+    assert torchleaf.live_states() == 0
 
 
 def test_fake_tensors_run_the_fake_never_the_real():
