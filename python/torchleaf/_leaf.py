@@ -288,6 +288,21 @@ def _add_note(e, note):
 
 
 # ----------------------------------------------------------------------- plans
+# How a plan's calls are made: eagerly (arguments passed along), traced by
+# make_fx or fake tensors (constants baked in), or compiled by Dynamo (also
+# ordered by a token).
+_EAGER, _TRACED, _COMPILED = range(3)
+
+# The order token of compiled calls: a graph input that the first leaf call
+# of a compiled graph consumes, each call returning the next; the last one is
+# stored back here when the graph has run. It holds no data.
+_ORDER_TOKEN = torch.empty(0, dtype=torch.int64)
+
+
+def _new_order_token():
+    return torch.empty(0, dtype=torch.int64)
+
+
 # Kinds of operator inputs, in a plan's order.
 _IN_TENSOR, _IN_MODULE, _IN_INT, _IN_NEGATIVE_INT, _IN_NDARRAY = range(5)
 _TENSOR = "\x00torchleaf:tensor"  # stands for a tensor in a call's key
@@ -303,13 +318,17 @@ class _Plan:
 
     The operator receives ``inputs`` -- per ``slots`` entry a tensor, a
     module's parameters and buffers, or an int carrier; then, for traced
-    plans, one handle tensor per module -- and ``mutated`` (tensor leaves of
-    the parameters named in ``mutates_args``), in that order.
+    plans, one handle tensor per module; then, for compiled plans, the
+    order token -- and ``mutated`` (tensor leaves of the parameters named in
+    ``mutates_args``), in that order. Compiled plans also return a new order
+    token after the function's outputs.
     """
 
-    __slots__ = ("index", "spec", "template", "slots", "mutated", "n_modules", "traced", "positional", "out")
+    __slots__ = (
+        "index", "spec", "template", "slots", "mutated", "n_modules", "traced", "ordered", "positional", "out"
+    )
 
-    def __init__(self, index, spec, template, slots, mutated, traced, positional):
+    def __init__(self, index, spec, template, slots, mutated, mode, positional):
         self.index = index
         self.spec = spec
         # The flat arguments with baked constants (traced plans) and None
@@ -318,7 +337,8 @@ class _Plan:
         self.slots = slots  # ((kind, flat position, module structure or None), ...)
         self.mutated = mutated  # flat positions of declared-mutable tensors
         self.n_modules = sum(1 for kind, _, _ in slots if kind == _IN_MODULE)
-        self.traced = traced
+        self.traced = mode != _EAGER
+        self.ordered = mode == _COMPILED
         self.positional = positional  # tensors only, by position: call fn(*tensors)
         self.out = None  # the fake's output description, once traced
 
@@ -351,6 +371,8 @@ class _Plan:
                 flat[pos] = _module_at_run_time(leaf, tensors[k], structure, own, fake)
                 k += 1
             bindings.append((flat[pos], dict(zip(structure[2], own))))
+        if self.ordered:
+            k += 1  # the order token
         for pos in self.mutated:
             flat[pos] = tensors[k]
             k += 1
@@ -360,7 +382,7 @@ class _Plan:
 
 def _invoke(leaf, fn, plan, tensors, arguments, fake):
     if plan.positional:
-        return fn(*tensors)
+        return fn(*tensors[: len(plan.slots)]) if plan.ordered else fn(*tensors)
     args, kwargs, bindings = plan.rebuild(leaf, tensors, arguments, fake)
     if not bindings:
         return fn(*args, **kwargs)
@@ -406,6 +428,8 @@ def _run_real(leaf_ref, plan_index, tensors, arguments):
         _add_note(e, f"raised inside the real function of leaf function '{leaf._name}'")
         raise
     flat, desc = _flatten_output(leaf, out)
+    if plan.ordered:
+        flat = flat + [_new_order_token()]
     if arguments is None:
         # Called through the operator (a graph, or a dispatch mode that runs
         # real kernels): the caller rebuilds outputs from the plan's
@@ -439,6 +463,8 @@ def _run_fake(leaf_ref, plan_index, tensors, arguments, real_desc):
         raise
     flat, desc = _flatten_output(leaf, out)
     _check_fake_constants(leaf, desc)
+    if plan.ordered:
+        flat = flat + [_new_order_token()]
     if real_desc is not None:
         if _structure(real_desc) != _structure(desc):
             raise _structure_mismatch(leaf, real_desc, desc)
@@ -456,7 +482,7 @@ def _intern_for_compile(leaf, skeleton, structures):
     flat, spec = pytree.tree_flatten(skeleton)
     structures = iter(structures)
     key = tuple((_MODULE_KEY, next(structures)) if x is _MODULE else x for x in flat)
-    plan = leaf._plan_from_key(spec, key, traced=True)
+    plan = leaf._plan_from_key(spec, key, _COMPILED)
     return plan.index, plan.slots, plan.mutated
 
 
@@ -555,11 +581,11 @@ class LeafFunction:
                 ids.update(id(x) for x in pytree.tree_leaves(bound.arguments[name]))
         return frozenset(i for i, m in enumerate(marked) if id(m) in ids)
 
-    def _plan_from_key(self, spec, key, traced):
+    def _plan_from_key(self, spec, key, mode):
         """The plan for a call key: per flat argument _TENSOR, a module
         structure tuple (tagged "module"), _INT/_NEGATIVE_INT, or the constant
         itself (traced plans; eager keys hold None for constants)."""
-        full_key = (traced, spec, key)
+        full_key = (mode, spec, key)
         plan = self._plan_index.get(full_key)
         if plan is not None:
             return plan
@@ -588,10 +614,10 @@ class LeafFunction:
                 else:
                     template.append(k)
             positional = (
-                not traced and all(kind == _IN_TENSOR for kind, _, _ in slots) and not mutated
+                len(slots) == len(key) and all(kind == _IN_TENSOR for kind, _, _ in slots)
                 and spec == pytree.tree_structure((tuple(range(len(key))), {}))
             )
-            plan = _Plan(len(self._plans), spec, tuple(template), tuple(slots), tuple(mutated), traced, positional)
+            plan = _Plan(len(self._plans), spec, tuple(template), tuple(slots), tuple(mutated), mode, positional)
             self._plans.append(plan)
             self._plan_index[full_key] = plan
             return plan
@@ -625,7 +651,7 @@ class LeafFunction:
                 key.append(x)
             else:
                 key.append(None)  # eager: the call passes its own constants
-        plan = self._plan_from_key(spec, tuple(key), traced)
+        plan = self._plan_from_key(spec, tuple(key), _TRACED if traced else _EAGER)
         inputs = []
         modules = iter(module_tensors)
         for kind, pos, _ in plan.slots:
@@ -653,7 +679,7 @@ class LeafFunction:
                 if plan is None:
                     spec = pytree.tree_structure((args, {}))
                     plan = self._positional[len(args)] = self._plan_from_key(
-                        spec, (_TENSOR,) * len(args), traced=False
+                        spec, (_TENSOR,) * len(args), _EAGER
                     )
                 outputs, desc = _C.call(self._id, plan.index, args, (), None)
                 if desc is _SINGLE:
@@ -731,12 +757,18 @@ class LeafFunction:
                 size = flat[pos] if kind == _IN_INT else -flat[pos]
                 inputs.append(torch.empty(()).expand(size))
         inputs.extend(handles)
+        # Order: each compiled call takes the token the previous one returned,
+        # and the last one's is stored back (a graph output), so calls run in
+        # program order and none is dead code, whatever their outputs' use.
+        global _ORDER_TOKEN
+        inputs.append(_ORDER_TOKEN)
         mutated = [flat[pos] for pos in mutated_positions]
         if mutated:
             outputs = torch.ops.torchleaf.call_mutating(self._id, plan_index, inputs, mutated)
         else:
             outputs = torch.ops.torchleaf.call(self._id, plan_index, inputs)
-        return _decode(_traced_output(self, plan_index), outputs)
+        _ORDER_TOKEN = outputs[-1]
+        return _decode(_traced_output(self, plan_index), outputs[:-1])
 
 
 def leaf_function(fn=None, *, mutates_args=(), validate_outputs=None, check_escaped_gradients=None):

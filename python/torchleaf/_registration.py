@@ -1,10 +1,11 @@
 """Registration of torchleaf's operators with PyTorch's Python compile stack:
 fake kernels (so FakeTensorMode runs user fakes with full symbolic-shape
-support, unbacked sizes included) and ordered effects (so calls are never
-dead-code-eliminated or reordered)."""
+support, unbacked sizes included), and what keeps calls from being
+dead-code-eliminated or reordered."""
 
 import torch
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+from torch.fx.node import has_side_effect
 
 from . import _C
 from ._errors import LeafFunctionError
@@ -87,18 +88,21 @@ def _register_ops():
     torch.library.register_fake("torchleaf::call_functional", _fake_call_functional)
     torch.library.register_fake("torchleaf::forward_functional", _fake_forward_functional)
     torch.library.register_fake("torchleaf::backward", _fake_backward)
-    # Every operator that runs user code in a functional graph is ordered.
-    # (The mutating variants cannot carry effects, PyTorch excludes mutable
-    # operators; they are functionalized into the functional variants.)
-    # `backward` only replays a graph captured by its forward, so it needs no
-    # order of its own; leaving it out saves a with_effects wrapper per call.
+    # Operators that run user code are never dead code (FX and Inductor keep
+    # impure operators). Python leaves' compiled calls are ordered by the
+    # token they thread (_leaf._ORDER_TOKEN), a data dependency that costs
+    # nothing at run time; PyTorch's effect tokens would wrap every call in
+    # the with_effects higher-order operator, which runs in Python under
+    # aot_eager. C++ leaves' named operators keep effect tokens (see below).
     for op in (
         torch.ops.torchleaf.call,
         torch.ops.torchleaf.forward,
         torch.ops.torchleaf.call_functional,
         torch.ops.torchleaf.forward_functional,
+        torch.ops.torchleaf.call_mutating,
+        torch.ops.torchleaf.forward_mutating,
     ):
-        _register_effectful_op(op.default, _EffectType.ORDERED)
+        has_side_effect(op.default)
     sync_cpp_leaves()
 
 

@@ -25,13 +25,28 @@ def test_assume_constant_result_is_evaluated_at_trace_time_and_baked_in():
     assert calls == ["k"]  # once, at trace time
 
 
-def test_effectful_op_registration_orders_torchleaf_calls():
+def test_effectful_op_registration_marks_an_operator_ordered():
+    # torchleaf registers C++ leaves' named operators this way.
     from torch._higher_order_ops.effects import _EffectType, _get_effect, _register_effectful_op
 
-    assert callable(_register_effectful_op)
-    assert _get_effect(torch.ops.torchleaf.call.default) == _EffectType.ORDERED
-    assert _get_effect(torch.ops.torchleaf.forward.default) == _EffectType.ORDERED
-    assert _get_effect(torch.ops.torchleaf.backward.default) is None
+    lib = torch.library.Library("torchleaf_private_api_test", "FRAGMENT")
+    lib.define("noop(Tensor x) -> Tensor")
+    op = torch.ops.torchleaf_private_api_test.noop.default
+    assert _get_effect(op) is None
+    handle = _register_effectful_op(op, _EffectType.ORDERED)
+    assert _get_effect(op) == _EffectType.ORDERED
+    handle.destroy()
+    lib._destroy()
+
+
+def test_torchleaf_operators_are_impure_not_effectful():
+    from torch._higher_order_ops.effects import _get_effect
+    from torch._library.utils import is_impure
+
+    for op in (torch.ops.torchleaf.call, torch.ops.torchleaf.forward, torch.ops.torchleaf.call_functional):
+        assert is_impure(op.default)  # what FX and Inductor consult before removing a node
+        assert _get_effect(op.default) is None  # ordered by the token instead (no with_effects)
+    assert not is_impure(torch.ops.torchleaf.backward.default)
 
 
 def test_reparametrize_module_takes_the_arguments_torchleaf_passes():

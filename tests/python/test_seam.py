@@ -401,3 +401,23 @@ def test_a_graph_that_outlives_its_leaf_fails_clearly():
     gc.collect()
     with pytest.raises(RuntimeError, match="no leaf function has id .* its Python function was deleted"):
         gm(torch.ones(2))
+
+
+@pytest.mark.parametrize("mode", ["eager", "make_fx", "aot_eager"])
+def test_positional_constants_reach_the_function(mode):
+    @torchleaf.leaf_function
+    def scaled(x, k, y):
+        return x * k + y
+
+    @scaled.register_fake
+    def _(x, k, y):
+        return torch.empty_like(x)
+
+    x, y = torch.ones(2), torch.full((2,), 0.5)
+    if mode == "eager":
+        run = scaled
+    elif mode == "make_fx":
+        run = make_fx(lambda x, k, y: scaled(x, k, y), tracing_mode="fake")(x, 3.0, y)
+    else:
+        run = torch.compile(scaled, backend=mode, fullgraph=True)
+    torch.testing.assert_close(run(x, 3.0, y), torch.full((2,), 3.5))
