@@ -421,3 +421,42 @@ def test_positional_constants_reach_the_function(mode):
     else:
         run = torch.compile(scaled, backend=mode, fullgraph=True)
     torch.testing.assert_close(run(x, 3.0, y), torch.full((2,), 3.5))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_compiled_calls_keep_program_order_when_consumers_invert_it(backend, grad):
+    """Calls are ordered by the token they thread, not by where their outputs
+    are used: Inductor's reordering passes move independent nodes."""
+    torch._dynamo.reset()
+    log = []
+
+    def make(tag):
+        @torchleaf.leaf_function
+        def record(x):
+            log.append(tag)
+            return x + 1
+
+        @record.register_fake
+        def _(x):
+            return torch.empty_like(x)
+
+        return record
+
+    a, b, c = make("a"), make("b"), make("c")
+
+    def program(x):
+        y = x.sin()
+        first = a(x)  # used last
+        b(x)  # unused
+        third = c(y * 2)
+        return (third * 3).cos() + first.exp() * 2
+
+    compiled = torch.compile(program, backend=backend, fullgraph=True)
+    x = torch.randn(8, requires_grad=grad)
+    for _ in range(2):
+        log.clear()
+        out = compiled(x)
+        assert log == ["a", "b", "c"]
+    log.clear()
+    torch.testing.assert_close(out, program(x))
