@@ -360,7 +360,9 @@ TensorList run_real(
     } else {
       inner.push_back(t.detach());
     }
-    versions.push_back(t._version());
+    // Inference tensors have no version counter (and cannot be changed in
+    // place outside inference mode).
+    versions.push_back(t.is_inference() ? 0 : t._version());
   }
 
   const uint64_t first_sequence_nr = at::sequence_number::peek();
@@ -376,7 +378,7 @@ TensorList run_real(
   }
 
   for (size_t i = 0; i < inputs.size(); ++i) {
-    if (mutable_inputs.empty() || !mutable_inputs[i]) {
+    if ((mutable_inputs.empty() || !mutable_inputs[i]) && !inputs[i].is_inference()) {
       TORCHLEAF_CHECK(
           inputs[i]._version() == versions[i],
           entry.name,

@@ -23,7 +23,6 @@ import functools
 import inspect
 import itertools
 import threading
-import types
 import weakref
 
 import torch
@@ -87,22 +86,27 @@ class _ModuleHandle:
 
 
 def _module_state(module):
-    """Parameter and buffer names and tensors, in the order graphs pass them."""
-    names, tensors = [], []
-    for name, p in module.named_parameters():
-        names.append(name)
-        tensors.append(p)
-    for name, b in module.named_buffers():
-        names.append(name)
-        tensors.append(b)
-    return tuple(names), tensors
+    """(names, aliases, tensors): each distinct parameter and buffer once, in
+    the order graphs pass them, and (name, index) for every further name of
+    one of them (tied weights, a submodule used twice)."""
+    names, aliases, tensors = [], [], []
+    for named in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
+        for name, t in named:
+            for i, seen in enumerate(tensors):
+                if seen is t:
+                    aliases.append((name, i))
+                    break
+            else:
+                names.append(name)
+                tensors.append(t)
+    return tuple(names), tuple(aliases), tensors
 
 
 def _module_structure(module):
     """(structure, tensors): what a plan keys on for a module argument."""
-    names, tensors = _module_state(module)
+    names, aliases, tensors = _module_state(module)
     cls = type(module)
-    return (cls.__module__, cls.__qualname__, names), tensors
+    return (cls.__module__, cls.__qualname__, names, aliases), tensors
 
 
 def _handle_of(module, structure):
@@ -124,7 +128,7 @@ def _module_at_run_time(leaf, handle, structure, tensors, fake):
         # tensors have the call's shapes.
         candidates = list(_BY_STRUCTURE.get(structure, ()))
         for module in candidates:
-            own = _module_state(module)[1]
+            own = _module_state(module)[2]
             if all(a.shape == b.shape for a, b in zip(own, tensors)):
                 return module
         if candidates:
@@ -168,7 +172,12 @@ def _encode(leaf, obj, tensors):
     if isinstance(obj, tuple):
         children = tuple(_encode(leaf, x, tensors) for x in obj)
         if hasattr(obj, "_fields"):
-            return (_OUT_NAMEDTUPLE, type(obj), children)
+            cls = type(obj)
+            key = f"{cls.__module__}.{cls.__qualname__}"
+            # Compiled code builds it from the leaf's own table (Dynamo cannot
+            # call a class that came out of a constant).
+            leaf._namedtuples[key] = cls
+            return (_OUT_NAMEDTUPLE, cls, children, key)
         return (_OUT_TUPLE, children)
     if isinstance(obj, list):
         return (_OUT_LIST, tuple(_encode(leaf, x, tensors) for x in obj))
@@ -182,18 +191,19 @@ def _encode(leaf, obj, tensors):
     return (_OUT_CONST, obj)
 
 
-def _decode(desc, tensors):
+def _decode(desc, tensors, namedtuples=None):
     kind = desc[0]
     if kind == _OUT_TENSOR:
         return tensors[desc[1]]
     if kind == _OUT_TUPLE:
-        return tuple(_decode(d, tensors) for d in desc[1])
+        return tuple(_decode(d, tensors, namedtuples) for d in desc[1])
     if kind == _OUT_LIST:
-        return [_decode(d, tensors) for d in desc[1]]
+        return [_decode(d, tensors, namedtuples) for d in desc[1]]
     if kind == _OUT_DICT:
-        return dict(zip(desc[1], [_decode(d, tensors) for d in desc[2]]))
+        return dict(zip(desc[1], [_decode(d, tensors, namedtuples) for d in desc[2]]))
     if kind == _OUT_NAMEDTUPLE:
-        return desc[1](*[_decode(d, tensors) for d in desc[2]])
+        cls = desc[1] if namedtuples is None else namedtuples[desc[3]]
+        return cls(*[_decode(d, tensors, namedtuples) for d in desc[2]])
     return desc[1]
 
 
@@ -288,6 +298,10 @@ def _add_note(e, note):
 
 
 # ----------------------------------------------------------------------- plans
+_MAX_CARRIED_INT = 2**62
+# What a fake sees for a float argument of a compiled call.
+_FAKE_FLOAT = 1.0
+
 # How a plan's calls are made: eagerly (arguments passed along), traced by
 # make_fx or fake tensors (constants baked in), or compiled by Dynamo (also
 # ordered by a token).
@@ -304,11 +318,12 @@ def _new_order_token():
 
 
 # Kinds of operator inputs, in a plan's order.
-_IN_TENSOR, _IN_MODULE, _IN_INT, _IN_NEGATIVE_INT, _IN_NDARRAY = range(5)
+_IN_TENSOR, _IN_MODULE, _IN_INT, _IN_NEGATIVE_INT, _IN_NDARRAY, _IN_FLOAT = range(6)
 _TENSOR = "\x00torchleaf:tensor"  # stands for a tensor in a call's key
 _MODULE = "\x00torchleaf:module"  # stands for a module in a compiled call's skeleton
 _MODULE_KEY = "\x00torchleaf:module"  # tags (tag, structure) module entries of a key
 _NDARRAY = "\x00torchleaf:ndarray"  # a numpy array a traced call passes as a tensor
+_FLOAT = "\x00torchleaf:float"  # a float a compiled program passes as a 0-dim tensor
 _INT = "\x00torchleaf:int"  # an int a compiled program passes as a carrier's size
 _NEGATIVE_INT = "\x00torchleaf:-int"
 
@@ -357,6 +372,13 @@ class _Plan:
                 t = tensors[k]
                 flat[pos] = t if fake and (type(t) is not _Tensor or t.is_meta) else t.numpy()
                 k += 1
+            elif kind == _IN_FLOAT:
+                # Dynamo does not specialize floats: the value reaches the
+                # function at run time. A fake gets the traced value's
+                # placeholder (fake tensors hold no data).
+                t = tensors[k]
+                flat[pos] = _FAKE_FLOAT if fake and (type(t) is not _Tensor or t.is_meta) else t.item()
+                k += 1
             elif kind == _IN_MODULE:
                 n = len(structure[2])
                 modules.append((pos, structure, tensors[k : k + n]))
@@ -370,7 +392,14 @@ class _Plan:
             if arguments is None:
                 flat[pos] = _module_at_run_time(leaf, tensors[k], structure, own, fake)
                 k += 1
-            bindings.append((flat[pos], dict(zip(structure[2], own))))
+            module = flat[pos]
+            # The same module passed twice is bound once: its first slot's
+            # tensors go unused (zero gradients, which add up right).
+            bindings = [b for b in bindings if b[0] is not module]
+            mapping = dict(zip(structure[2], own))
+            if structure[3]:
+                _add_aliases(module, mapping, structure[2], structure[3], own)
+            bindings.append((module, mapping))
         if self.ordered:
             k += 1  # the order token
         for pos in self.mutated:
@@ -378,6 +407,25 @@ class _Plan:
             k += 1
         args, kwargs = pytree.tree_unflatten(flat, self.spec)
         return args, kwargs, bindings
+
+
+def _owner(module, name):
+    prefix, _, attr = name.rpartition(".")
+    return (id(module.get_submodule(prefix)), attr)
+
+
+def _add_aliases(module, mapping, names, aliases, own):
+    """Map the further names of tied tensors that are attributes of their own
+    (tied weights of two modules). A name of an attribute that another name
+    already sets (one submodule used twice) stays out: setting it twice
+    would make PyTorch's _reparametrize_module restore the wrong tensor, and
+    tie_weights=True does not restore the originals either."""
+    owners = {_owner(module, name) for name in names}
+    for name, i in aliases:
+        owner = _owner(module, name)
+        if owner not in owners:
+            owners.add(owner)
+            mapping[name] = own[i]
 
 
 def _invoke(leaf, fn, plan, tensors, arguments, fake):
@@ -389,13 +437,15 @@ def _invoke(leaf, fn, plan, tensors, arguments, fake):
     stack = []
     try:
         for module, mapping in bindings:
-            ctx = _reparametrize_module(module, mapping, tie_weights=False, strict=True)
+            # Not strict: a name of an attribute that another name of the
+            # mapping already sets is left out (see _add_aliases).
+            ctx = _reparametrize_module(module, mapping, tie_weights=False, strict=False)
             ctx.__enter__()
             stack.append(ctx)
         out = fn(*args, **kwargs)
         for module, mapping in bindings:
-            current = dict(module.named_parameters())
-            current.update(module.named_buffers())
+            current = dict(module.named_parameters(remove_duplicate=False))
+            current.update(module.named_buffers(remove_duplicate=False))
             for name, tensor in mapping.items():
                 if current.get(name) is not tensor:
                     raise LeafFunctionError(
@@ -516,15 +566,31 @@ class LeafFunction:
     """
 
     def __init__(self, fn, mutates_args=(), validate_outputs=None, check_escaped_gradients=None):
+        if isinstance(fn, type) or not callable(fn):
+            what = f"the class {fn.__qualname__}" if isinstance(fn, type) else f"a {type(fn).__name__} ({fn!r:.60})"
+            raise LeafFunctionError(
+                f"torchleaf.leaf_function decorates a function or a method, not {what}. To make a "
+                f"module's computation a leaf, decorate the function its forward calls and pass the "
+                f"module to it."
+            )
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._fake = None
-        self._name = f"{fn.__module__}.{fn.__qualname__}"
-        self._signature = inspect.signature(fn)
+        self._name = _function_name(fn)
+        try:
+            self._signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # some builtins have none
+            self._signature = None
         if isinstance(mutates_args, str):
             mutates_args = (mutates_args,)
         self._mutates_args = frozenset(mutates_args)
-        unknown = self._mutates_args - set(self._signature.parameters)
+        if self._mutates_args and self._signature is None:
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{self._name}' declares mutates_args, but Python cannot "
+                f"tell its parameters (inspect.signature fails); wrap it in a def with named "
+                f"parameters."
+            )
+        unknown = self._mutates_args - set(self._signature.parameters if self._signature else ())
         if unknown:
             raise LeafFunctionError(
                 f"torchleaf: leaf function '{self._name}' declares mutates_args={sorted(unknown)}, "
@@ -534,6 +600,7 @@ class LeafFunction:
         self._plans = []  # index -> _Plan
         self._plan_index = {}  # call key -> _Plan
         self._positional = {}  # arity -> _Plan for all-tensor positional calls
+        self._namedtuples = {}  # "module.qualname" -> namedtuple type among outputs
         self._lock = threading.Lock()
         # The core holds only a weak reference: the leaf dies with its last user.
         self._id = _C.define_python_leaf(
@@ -552,7 +619,7 @@ class LeafFunction:
     def __get__(self, obj, objtype=None):
         if obj is None:
             return self
-        return types.MethodType(self, obj)
+        return _BoundLeaf(self, obj)
 
     def __repr__(self):
         return f"<torchleaf.LeafFunction {self._name}>"
@@ -611,6 +678,9 @@ class LeafFunction:
                 elif k is _NDARRAY:
                     template.append(None)
                     slots.append((_IN_NDARRAY, pos, None))
+                elif k is _FLOAT:
+                    template.append(None)
+                    slots.append((_IN_FLOAT, pos, None))
                 else:
                     template.append(k)
             positional = (
@@ -722,20 +792,24 @@ class LeafFunction:
             if isinstance(x, _Tensor):
                 skeleton.append(_TENSOR)
             elif isinstance(x, nn.Module):
-                names, tensors = _module_state(x)
+                names, aliases, tensors = _module_state(x)
                 cls = type(x)
                 skeleton.append(_MODULE)
-                structures.append((cls.__module__, cls.__qualname__, names))
+                structures.append((cls.__module__, cls.__qualname__, names, aliases))
                 module_tensors.append(tensors)
                 handle = x.__dict__.get(_HANDLE_ATTR)
                 if handle is None:
                     handles.append(torch.full((), _sight_module(x), dtype=torch.int64))
                 else:
                     handles.append(handle.tensor)
-            elif type(x) is int:  # not bool or IntEnum: those stay constants
+            elif type(x) is int and -_MAX_CARRIED_INT <= x <= _MAX_CARRIED_INT:
+                # Not bool or IntEnum (those stay constants), nor ints beyond
+                # a size's range (seeds, hashes: Dynamo keeps them constant).
                 # May be symbolic: its value reaches the function through a
                 # carrier's size instead of a graph constant.
                 skeleton.append(_INT if x >= 0 else _NEGATIVE_INT)
+            elif type(x) is float:  # Dynamo makes changing floats symbolic
+                skeleton.append(_FLOAT)
             elif _is_ndarray(x):  # Dynamo holds arrays as tensors
                 skeleton.append(_NDARRAY)
             else:
@@ -753,6 +827,10 @@ class LeafFunction:
                 inputs.append(flat[pos])
             elif kind == _IN_NDARRAY:
                 inputs.append(torch.as_tensor(flat[pos]))
+            elif kind == _IN_FLOAT:
+                # (An addition, not torch.scalar_tensor: Dynamo keeps a float that
+                # feeds arithmetic symbolic, and specialized the other.)
+                inputs.append(torch.zeros((), dtype=torch.float64) + flat[pos])
             else:  # a zero-stride carrier: no memory, size = the int
                 size = flat[pos] if kind == _IN_INT else -flat[pos]
                 inputs.append(torch.empty(()).expand(size))
@@ -768,7 +846,35 @@ class LeafFunction:
         else:
             outputs = torch.ops.torchleaf.call(self._id, plan_index, inputs)
         _ORDER_TOKEN = outputs[-1]
-        return _decode(_traced_output(self, plan_index), outputs[:-1])
+        return _decode(_traced_output(self, plan_index), outputs[:-1], self._namedtuples)
+
+
+def _function_name(fn):
+    """'module.qualname' of a function, a builtin or a functools.partial."""
+    target = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    module = getattr(target, "__module__", None) or type(target).__module__
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
+    return f"{module}.{name}" + (" (partial)" if target is not fn else "")
+
+
+class _BoundLeaf:
+    """A leaf used as a method, bound to its instance (a plain callable
+    object: Dynamo traces its call, where it cannot call a bound
+    types.MethodType of a LeafFunction)."""
+
+    __slots__ = ("__self__", "__func__")
+
+    def __init__(self, leaf, obj):
+        self.__func__ = leaf
+        self.__self__ = obj
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def __repr__(self):
+        return f"<bound leaf function {self.__func__._name} of {self.__self__!r}>"
 
 
 def leaf_function(fn=None, *, mutates_args=(), validate_outputs=None, check_escaped_gradients=None):

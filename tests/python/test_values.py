@@ -1,0 +1,224 @@
+"""Everything a plain function accepts and returns, a leaf accepts and returns,
+eager and compiled alike: each test compares against the undecorated
+function."""
+
+import collections
+import functools
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import torchleaf
+from torchleaf import LeafFunctionError
+
+COMPILED = ["aot_eager", "inductor"]
+
+
+def _leaf(fn, fake):
+    leaf = torchleaf.leaf_function(fn)
+    leaf.register_fake(fake)
+    return leaf
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_changing_floats_reach_the_function_without_recompiling(backend, dynamic):
+    torch._dynamo.reset()
+
+    def scale(x, temperature, opts):
+        return x * temperature + opts["shift"]
+
+    leaf = _leaf(scale, lambda x, t, o: torch.empty_like(x))
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(lambda x, t, o: leaf(x, t, o), backend=counter, fullgraph=True, dynamic=dynamic)
+    x = torch.randn(3)
+    for step in range(4):
+        t, shift = 1.0 / (step + 1), 0.5 * step
+        torch.testing.assert_close(compiled(x, t, {"shift": shift}), scale(x, t, {"shift": shift}))
+    assert counter.frame_count <= 2  # Dynamo may specialize the first value once
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+def test_ints_beyond_a_size_stay_constants(backend):
+    def mix(x, seed):
+        return x + seed % 7
+
+    leaf = _leaf(mix, lambda x, seed: torch.empty_like(x))
+    compiled = torch.compile(lambda x: leaf(x, 2**70 + 3), backend=backend, fullgraph=True)
+    x = torch.randn(3)
+    torch.testing.assert_close(compiled(x), mix(x, 2**70 + 3))
+    compiled = torch.compile(lambda x: leaf(x, -(2**63) - 5), backend=backend, fullgraph=True)
+    torch.testing.assert_close(compiled(x), mix(x, -(2**63) - 5))
+
+
+Pair = collections.namedtuple("Pair", "low high")
+
+
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+def test_namedtuple_outputs(backend):
+    def split(x):
+        return Pair(x.clamp(max=0), x.clamp(min=0) * 2)
+
+    leaf = _leaf(split, lambda x: Pair(torch.empty_like(x), torch.empty_like(x)))
+    run = leaf if backend is None else torch.compile(lambda x: leaf(x), backend=backend, fullgraph=True)
+    x = torch.randn(5, requires_grad=True)
+    out = run(x)
+    assert type(out) is Pair
+    expected = split(x)
+    torch.testing.assert_close(tuple(out), tuple(expected))
+    g = torch.autograd.grad(out.high.sum() + out.low.sum(), x)[0]
+    torch.testing.assert_close(g, torch.autograd.grad(expected.high.sum() + expected.low.sum(), x)[0])
+
+
+def test_inference_tensors():
+    def double(x):
+        return x * 2
+
+    leaf = _leaf(double, torch.empty_like)
+    with torch.inference_mode():
+        made = torch.ones(3)
+        torch.testing.assert_close(leaf(made), double(made))  # inside inference mode
+    torch.testing.assert_close(leaf(made), double(made))  # used outside it
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = 2.0
+
+    @torchleaf.leaf_function
+    def act(self, x):
+        return torch.where(x > 0, x, x * 0.1) * self.scale
+
+    def forward(self, x):
+        return self.act(self.lin(x))
+
+
+_Block.act.register_fake(lambda self, x: torch.empty_like(x))
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled_function", "compiled_module"])
+def test_a_leaf_used_as_a_method(mode):
+    torch._dynamo.reset()
+    block = _Block().double()
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    if mode == "eager":
+        run = block
+    elif mode == "compiled_function":
+        run = torch.compile(lambda x: block(x), backend="aot_eager", fullgraph=True)
+    else:
+        run = torch.compile(block, backend="aot_eager", fullgraph=True)
+    got = run(x)
+    grads = torch.autograd.grad(got.sum(), [x, *block.parameters()])
+    h = block.lin(x)
+    expected = torch.where(h > 0, h, h * 0.1) * block.scale
+    torch.testing.assert_close(got, expected)
+    for g, e in zip(grads, torch.autograd.grad(expected.sum(), [x, *block.parameters()])):
+        torch.testing.assert_close(g, e)
+    block.scale = 3.0  # read at run time
+    torch.testing.assert_close(run(x), torch.where(h > 0, h, h * 0.1) * 3.0)
+
+
+def test_decorating_what_is_not_a_function():
+    with pytest.raises(LeafFunctionError, match=r"decorates a function or a method, not a int \(3\)"):
+        torchleaf.leaf_function(3)
+    with pytest.raises(LeafFunctionError, match=r"decorates a function or a method, not the class _Block"):
+        torchleaf.leaf_function(_Block)
+    # Builtins and partials are functions.
+    sine = _leaf(torch.sin, torch.empty_like)
+    times3 = _leaf(functools.partial(torch.mul, other=3.0), torch.empty_like)
+    x = torch.randn(3)
+    for leaf, fn in ((sine, torch.sin), (times3, lambda x: x * 3.0)):
+        torch.testing.assert_close(leaf(x), fn(x))
+        torch.testing.assert_close(torch.compile(lambda x: leaf(x), backend="aot_eager", fullgraph=True)(x), fn(x))
+    assert "partial" in repr(times3)
+
+
+def _through(x, m):
+    return m(x)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_modules_with_tied_parameters_and_the_same_module_twice(backend):
+    torch._dynamo.reset()
+    lin = nn.Linear(3, 3).double()
+    tied = nn.Sequential(lin, nn.Tanh(), lin)
+    through = _leaf(_through, lambda x, m: torch.empty_like(x))
+
+    def twice(x, a, b):
+        return a(x) + b(x).tanh()
+
+    both = _leaf(twice, lambda x, a, b: torch.empty_like(x))
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    for leaf, fn, args in ((through, _through, (tied,)), (both, twice, (lin, lin))):
+        run = leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
+        got = run(x, *args)
+        grads = torch.autograd.grad(got.sum(), [x, *lin.parameters()])
+        expected = fn(x, *args)
+        torch.testing.assert_close(got, expected)
+        for g, e in zip(grads, torch.autograd.grad(expected.sum(), [x, *lin.parameters()])):
+            torch.testing.assert_close(g, e)
+
+
+@torchleaf.leaf_function
+def _module_level_gate(x, head):
+    return head(x).sigmoid()
+
+
+_module_level_gate.register_fake(lambda x, head: x.new_empty(x.shape[0], head.out_features))
+
+
+class _Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3, 3)
+        self.gate = _module_level_gate
+
+    def forward(self, x):
+        return self.gate(x, self.head)
+
+
+def test_models_holding_a_leaf_pickle_and_save():
+    model = _Gated()
+    x = torch.randn(2, 3)
+    model(x)  # the head now carries a handle, which must not travel
+    clone = pickle.loads(pickle.dumps(model))
+    assert clone.gate is _module_level_gate  # by reference, like a function
+    torch.testing.assert_close(clone(x), model(x))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(loaded(x), model(x))
+    compiled = torch.compile(loaded, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(5, 4).double()
+        self.head = nn.Linear(4, 5, bias=False).double()
+        self.head.weight = self.emb.weight  # tied across two modules
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens).tanh())
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
+def test_weights_tied_across_modules(backend):
+    torch._dynamo.reset()
+    lm = _TiedLM()
+    weight = lm.emb.weight
+    leaf = _leaf(_through, lambda t, m: torch.empty(t.shape[0], 5, dtype=torch.float64))
+    run = leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
+    tokens = torch.tensor([1, 3, 3])
+    got = torch.autograd.grad(run(tokens, lm).sum(), weight)[0]
+    expected = torch.autograd.grad(lm(tokens).sum(), weight)[0]
+    torch.testing.assert_close(got, expected)
+    assert lm.emb.weight is weight and lm.head.weight is weight  # the module is left as it was
