@@ -4,6 +4,11 @@
 #include <c10/core/Storage.h>
 
 #include <atomic>
+#include <mutex>
+#include <unordered_map>
+
+#include <ATen/SavedTensorHooks.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <torchleaf/errors.h>
 #include <torchleaf/leaf.h>
@@ -15,8 +20,8 @@ std::atomic<int64_t> g_live_states{0};
 std::atomic<int64_t> g_next_handle_value{1};
 
 // What a handle's storage owns. The state lives in the DataPtr's context,
-// out of reach of the tensor's data (which only shows a number for
-// debugging): writing into a handle cannot make it name another state.
+// out of reach of the tensor's data (which only shows the handle's value):
+// writing into a handle cannot make it name another state.
 struct HandleBox {
   int64_t value;
   std::shared_ptr<CapturedState> state;
@@ -26,15 +31,41 @@ void release_handle(void* context) {
   // Deleting the box frees the state: freeing a graph can free handles of
   // nested leaf calls, which re-enter this function (no lock is held).
   delete static_cast<HandleBox*>(context);
-  g_live_states.fetch_sub(1, std::memory_order_relaxed);
+}
+
+// States made while saved-tensor hooks were active, by handle value.
+struct KeptStates {
+  std::mutex mutex;
+  std::unordered_map<int64_t, std::shared_ptr<CapturedState>> states;
+};
+
+KeptStates& kept_states() {
+  static auto* instance = new KeptStates(); // leaked: see registry.cpp
+  return *instance;
+}
+
+bool is_handle_storage(const at::Tensor& handle) {
+  return handle.storage().data_ptr().get_deleter() == &release_handle;
 }
 
 } // namespace
 
-at::Tensor make_state_handle(std::shared_ptr<CapturedState> state) {
-  auto* box = new HandleBox{
-      g_next_handle_value.fetch_add(1, std::memory_order_relaxed), std::move(state)};
+LiveStateCounter::LiveStateCounter() {
   g_live_states.fetch_add(1, std::memory_order_relaxed);
+}
+
+LiveStateCounter::~LiveStateCounter() {
+  g_live_states.fetch_sub(1, std::memory_order_relaxed);
+}
+
+at::Tensor make_state_handle(std::shared_ptr<CapturedState> state) {
+  const int64_t value = g_next_handle_value.fetch_add(1, std::memory_order_relaxed);
+  if (at::SavedTensorDefaultHooks::get_hooks(/*ignore_is_tracing=*/true).has_value()) {
+    auto& kept = kept_states();
+    std::lock_guard<std::mutex> lock(kept.mutex);
+    kept.states.emplace(value, state);
+  }
+  auto* box = new HandleBox{value, std::move(state)};
   // A storage whose deleter is release_handle (a plain function pointer: no
   // std::function per call, unlike at::from_blob).
   c10::Storage storage(
@@ -66,25 +97,55 @@ bool is_concrete_handle(const at::Tensor& handle) {
 std::shared_ptr<CapturedState> lookup_state(
     const at::Tensor& handle,
     const LeafEntry& entry) {
+  const bool well_formed = is_concrete_handle(handle) &&
+      handle.scalar_type() == at::kLong && handle.dim() == 0;
+  std::shared_ptr<CapturedState> state;
+  if (well_formed && is_handle_storage(handle)) {
+    state = static_cast<const HandleBox*>(handle.storage().data_ptr().get_context())->state;
+  } else if (well_formed) { // a copy made by a saved-tensor hook?
+    auto& kept = kept_states();
+    std::lock_guard<std::mutex> lock(kept.mutex);
+    auto it = kept.states.find(*handle.const_data_ptr<int64_t>());
+    if (it != kept.states.end()) {
+      state = it->second;
+    }
+  }
   TORCHLEAF_CHECK(
-      is_concrete_handle(handle) && handle.scalar_type() == at::kLong &&
-          handle.dim() == 0 &&
-          handle.storage().data_ptr().get_deleter() == &release_handle,
+      state != nullptr,
       entry.name,
       "backward received a state argument that is not a state handle (",
       handle.defined() ? c10::str(handle.toString(), handle.sizes()) : "undefined",
-      "); pass the 0-dim int64 handle that torchleaf::forward returned for "
-      "this call itself: a copy of it is not a handle, since the state lives "
-      "exactly as long as the handle's own storage.");
-  const auto* box =
-      static_cast<const HandleBox*>(handle.storage().data_ptr().get_context());
+      "), or a copy of one whose state was released. Pass the 0-dim int64 "
+      "handle that torchleaf::forward returned for this call; a copy (such "
+      "as a saved-tensor hook makes) is only valid until a backward that "
+      "does not retain the graph ran through it.");
   TORCHLEAF_CHECK(
-      box->state->entry.get() == &entry,
+      state->entry.get() == &entry,
       entry.name,
       "backward received the state handle of a call of leaf function '",
-      box->state->entry->name,
+      state->entry->name,
       "'; pass the handle that this leaf's forward returned.");
-  return box->state;
+  return state;
+}
+
+void release_after_backward(const at::Tensor& handle) {
+  if (torch::autograd::get_current_graph_task_id() != -1 &&
+      torch::autograd::get_current_graph_task_keep_graph()) {
+    return; // retain_graph=True: a later backward may need it
+  }
+  const int64_t value = *handle.const_data_ptr<int64_t>();
+  std::shared_ptr<CapturedState> doomed;
+  {
+    auto& kept = kept_states();
+    std::lock_guard<std::mutex> lock(kept.mutex);
+    auto it = kept.states.find(value);
+    if (it == kept.states.end()) {
+      return;
+    }
+    doomed = std::move(it->second);
+    kept.states.erase(it);
+  }
+  // `doomed` dies here, outside the lock (freeing a graph may re-enter).
 }
 
 int64_t live_state_count() {

@@ -21,7 +21,16 @@ struct InputMeta {
 // backward needs: where gradients enter (one edge per output) and where they
 // leave (one edge per differentiable input). Holding the output edges keeps
 // the graph and its saved tensors alive; nothing else refers to it.
+// Counts live CapturedStates (torchleaf::live_states()).
+struct LiveStateCounter {
+  LiveStateCounter();
+  ~LiveStateCounter();
+  LiveStateCounter(const LiveStateCounter&) = delete;
+  LiveStateCounter& operator=(const LiveStateCounter&) = delete;
+};
+
 struct CapturedState {
+  LiveStateCounter counted;
   // The leaf that made it (shared: a Python leaf may be deleted while
   // graphs of its calls are alive).
   LeafEntryPtr entry;
@@ -39,14 +48,25 @@ struct CapturedState {
 // Returns the handle that owns `state`: a 0-dim int64 CPU tensor whose
 // storage holds the state. The state is released when the handle's storage
 // is freed, so it lives exactly as long as the autograd graph that saved it.
+//
+// Saved-tensor hooks (offloading, torch.autograd.graph.saved_tensors_hooks)
+// may replace the saved handle by a copy, whose storage is not the
+// handle's. When such hooks are active at forward time, the state is also
+// kept under the handle's value until a backward that does not retain the
+// graph consumed it (release_after_backward), so that a copy finds it.
 at::Tensor make_state_handle(std::shared_ptr<CapturedState> state);
 
-// The state owned by `handle`, which `entry`'s forward made; a clear error
-// naming the leaf when `handle` is not a state handle (a copy is not) or
+// The state of `handle` (the handle itself, or a copy of one made while
+// saved-tensor hooks were active), which `entry`'s forward made; a clear
+// error naming the leaf when `handle` is neither, its state is gone, or it
 // belongs to another leaf.
 std::shared_ptr<CapturedState> lookup_state(
     const at::Tensor& handle,
     const LeafEntry& entry);
+
+// Called by backward after replaying `handle`'s state: forgets a state kept
+// for copies when the running backward does not retain the graph.
+void release_after_backward(const at::Tensor& handle);
 
 // True for a handle that holds a real value (not a fake, meta or functional
 // tensor seen while tracing).

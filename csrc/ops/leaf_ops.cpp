@@ -317,7 +317,9 @@ TensorList backward_kernel(
     c10::SymIntArrayRef /*input_meta*/) {
   auto entry = get_leaf(leaf);
   auto captured = lookup_state(state, *entry);
-  return replay(*captured, to_vector(grads));
+  auto grads_in = replay(*captured, to_vector(grads));
+  release_after_backward(state);
+  return grads_in;
 }
 
 TensorList backward_meta(

@@ -537,6 +537,15 @@ def _intern_for_compile(leaf, skeleton, structures):
 
 
 @torch._dynamo.assume_constant_result
+def _tracing_a_subgraph():
+    """Whether Dynamo is tracing the body of a higher-order operator now."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    return tx is not None and tx.output.current_tracer.parent is not None
+
+
+@torch._dynamo.assume_constant_result
 def _traced_output(leaf, plan_index):
     return leaf._plans[plan_index].out
 
@@ -838,6 +847,9 @@ class LeafFunction:
         # Order: each compiled call takes the token the previous one returned,
         # and the last one's is stored back (a graph output), so calls run in
         # program order and none is dead code, whatever their outputs' use.
+        # Inside a higher-order operator's body (activation checkpointing,
+        # torch.cond) Dynamo refuses stores to outside state: there calls
+        # take the token but return theirs unused, ordered by graph order.
         global _ORDER_TOKEN
         inputs.append(_ORDER_TOKEN)
         mutated = [flat[pos] for pos in mutated_positions]
@@ -845,7 +857,8 @@ class LeafFunction:
             outputs = torch.ops.torchleaf.call_mutating(self._id, plan_index, inputs, mutated)
         else:
             outputs = torch.ops.torchleaf.call(self._id, plan_index, inputs)
-        _ORDER_TOKEN = outputs[-1]
+        if not _tracing_a_subgraph():
+            _ORDER_TOKEN = outputs[-1]
         return _decode(_traced_output(self, plan_index), outputs[:-1], self._namedtuples)
 
 

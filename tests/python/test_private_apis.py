@@ -75,3 +75,25 @@ def test_len_torch_dispatch_stack_counts_active_modes():
 def test_compile_cache_key_tag_carries_the_operator_schema_version():
     tag = torch.compiler.config.cache_key_tag
     assert f"torchleaf-ops-v{torchleaf._C.OPERATOR_SCHEMA_VERSION}" in tag.split(";")
+
+
+def test_dynamo_tells_a_higher_order_operator_body_from_the_top_level():
+    # torchleaf._leaf._tracing_a_subgraph: InstructionTranslator.current_tx()
+    # and the output graph's current_tracer.parent.
+    from torch.utils.checkpoint import checkpoint
+
+    from torchleaf._leaf import _tracing_a_subgraph
+
+    seen = []
+
+    @torch._dynamo.assume_constant_result
+    def record():
+        seen.append(_tracing_a_subgraph())  # assume_constant_result only marks the function
+        return 0
+
+    def body(x):
+        return x * (1 + record())
+
+    f = torch.compile(lambda x: checkpoint(body, x, use_reentrant=False) + record(), backend="eager", fullgraph=True)
+    f(torch.ones(2, requires_grad=True))
+    assert True in seen and False in seen

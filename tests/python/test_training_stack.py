@@ -1,0 +1,82 @@
+"""Leaf functions inside PyTorch's training machinery: saved-tensor hooks,
+activation checkpointing, autocast. Each compares against the undecorated
+function."""
+
+import pytest
+import torch
+
+import torchleaf
+
+COMPILED = ["aot_eager", "inductor"]
+
+
+def _squash(x, w):
+    return (x @ w).tanh()
+
+
+def _leaf():
+    leaf = torchleaf.leaf_function(_squash)
+    leaf.register_fake(lambda x, w: x.new_empty(x.shape[0], w.shape[1]))
+    return leaf
+
+
+def _inputs():
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    return x, w
+
+
+def _copying_hooks():
+    # An offloading hook: what it saves is a copy, never the tensor itself.
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+
+
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+@pytest.mark.parametrize("hooks", ["save_on_cpu", "copying"])
+def test_saved_tensor_hooks_that_copy_what_they_save(backend, hooks):
+    torch._dynamo.reset()
+    leaf = _leaf()
+    run = leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
+    x, w = _inputs()
+    expected = torch.autograd.grad(_squash(x, w).sum(), (x, w))
+    context = torch.autograd.graph.save_on_cpu if hooks == "save_on_cpu" else _copying_hooks
+    with context():
+        out = run(x, w)
+    got = torch.autograd.grad(out.sum(), (x, w), retain_graph=True)
+    again = torch.autograd.grad(out.sum(), (x, w))  # retain_graph kept it
+    for g, a, e in zip(got, again, expected):
+        torch.testing.assert_close(g, e)
+        torch.testing.assert_close(a, e)
+    del out
+    assert torchleaf.live_states() == 0
+
+
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+def test_activation_checkpointing(backend):
+    """Non-reentrant checkpointing recomputes the forward in backward, so the
+    real function runs twice per step, as the undecorated function would."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch._dynamo.reset()
+    calls = []
+
+    def counted(x, w):
+        calls.append(1)
+        return _squash(x, w)
+
+    leaf = torchleaf.leaf_function(counted)
+    leaf.register_fake(lambda x, w: x.new_empty(x.shape[0], w.shape[1]))
+
+    def program(x, w):
+        return checkpoint(lambda x, w: leaf(x, w).sin() * 2, x, w, use_reentrant=False)
+
+    run = program if backend is None else torch.compile(program, backend=backend, fullgraph=True)
+    x, w = _inputs()
+    expected = torch.autograd.grad((_squash(x, w).sin() * 2).sum(), (x, w))
+    for _ in range(2):
+        calls.clear()
+        got = torch.autograd.grad(run(x, w).sum(), (x, w))
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e)
+        assert len(calls) == 2  # forward, and the recomputation in backward
+    assert torchleaf.live_states() == 0
