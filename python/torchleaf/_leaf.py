@@ -86,10 +86,12 @@ class _ModuleHandle:
 
 
 def _module_state(module):
-    """(names, aliases, tensors): each distinct parameter and buffer once, in
-    the order graphs pass them, and (name, index) for every further name of
-    one of them (tied weights, a submodule used twice)."""
+    """(names, aliases, n_params, tensors): each distinct parameter and
+    buffer once, parameters first, in the order graphs pass them, and
+    (name, index) for every further name of one of them (tied weights, a
+    submodule used twice)."""
     names, aliases, tensors = [], [], []
+    n_params = 0
     for named in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
         for name, t in named:
             for i, seen in enumerate(tensors):
@@ -99,14 +101,16 @@ def _module_state(module):
             else:
                 names.append(name)
                 tensors.append(t)
-    return tuple(names), tuple(aliases), tensors
+        if not n_params:
+            n_params = len(tensors)
+    return tuple(names), tuple(aliases), n_params, tensors
 
 
 def _module_structure(module):
     """(structure, tensors): what a plan keys on for a module argument."""
-    names, aliases, tensors = _module_state(module)
+    names, aliases, n_params, tensors = _module_state(module)
     cls = type(module)
-    return (cls.__module__, cls.__qualname__, names, aliases), tensors
+    return (cls.__module__, cls.__qualname__, names, aliases, n_params), tensors
 
 
 def _handle_of(module, structure):
@@ -128,7 +132,7 @@ def _module_at_run_time(leaf, handle, structure, tensors, fake):
         # tensors have the call's shapes.
         candidates = list(_BY_STRUCTURE.get(structure, ()))
         for module in candidates:
-            own = _module_state(module)[2]
+            own = _module_state(module)[3]
             if all(a.shape == b.shape for a, b in zip(own, tensors)):
                 return module
         if candidates:
@@ -319,6 +323,10 @@ def _new_order_token():
 
 # Kinds of operator inputs, in a plan's order.
 _IN_TENSOR, _IN_MODULE, _IN_INT, _IN_NEGATIVE_INT, _IN_NDARRAY, _IN_FLOAT = range(6)
+# A module named in mutates_args: its parameters are inputs, its buffers are
+# declared mutable (BatchNorm's running statistics).
+_IN_MODULE_MUTABLE_BUFFERS = 6
+_MODULE_KINDS = (_IN_MODULE, _IN_MODULE_MUTABLE_BUFFERS)
 _TENSOR = "\x00torchleaf:tensor"  # stands for a tensor in a call's key
 _MODULE = "\x00torchleaf:module"  # stands for a module in a compiled call's skeleton
 _MODULE_KEY = "\x00torchleaf:module"  # tags (tag, structure) module entries of a key
@@ -334,9 +342,10 @@ class _Plan:
     The operator receives ``inputs`` -- per ``slots`` entry a tensor, a
     module's parameters and buffers, or an int carrier; then, for traced
     plans, one handle tensor per module; then, for compiled plans, the
-    order token -- and ``mutated`` (tensor leaves of the parameters named in
-    ``mutates_args``), in that order. Compiled plans also return a new order
-    token after the function's outputs.
+    order token -- and ``mutated``: tensor leaves of the parameters named in
+    ``mutates_args``, then the buffers of modules named there, in that order.
+    Compiled plans also return a new order token after the function's
+    outputs.
     """
 
     __slots__ = (
@@ -351,7 +360,7 @@ class _Plan:
         self.template = template
         self.slots = slots  # ((kind, flat position, module structure or None), ...)
         self.mutated = mutated  # flat positions of declared-mutable tensors
-        self.n_modules = sum(1 for kind, _, _ in slots if kind == _IN_MODULE)
+        self.n_modules = sum(1 for kind, _, _ in slots if kind in _MODULE_KINDS)
         self.traced = mode != _EAGER
         self.ordered = mode == _COMPILED
         self.positional = positional  # tensors only, by position: call fn(*tensors)
@@ -379,19 +388,29 @@ class _Plan:
                 t = tensors[k]
                 flat[pos] = _FAKE_FLOAT if fake and (type(t) is not _Tensor or t.is_meta) else t.item()
                 k += 1
-            elif kind == _IN_MODULE:
-                n = len(structure[2])
-                modules.append((pos, structure, tensors[k : k + n]))
+            elif kind in _MODULE_KINDS:
+                n = len(structure[2]) if kind == _IN_MODULE else structure[4]
+                modules.append((pos, structure, list(tensors[k : k + n]), kind))
                 k += n
             else:  # an int carried as a size
                 size = tensors[k].shape[0]
                 flat[pos] = size if kind == _IN_INT else -size
                 k += 1
-        bindings = []
-        for pos, structure, own in modules:
-            if arguments is None:
+        if arguments is None:
+            for pos, structure, own, _ in modules:
                 flat[pos] = _module_at_run_time(leaf, tensors[k], structure, own, fake)
                 k += 1
+        if self.ordered:
+            k += 1  # the order token
+        for pos in self.mutated:
+            flat[pos] = tensors[k]
+            k += 1
+        bindings = []
+        for pos, structure, own, kind in modules:
+            if kind == _IN_MODULE_MUTABLE_BUFFERS:  # its buffers come last
+                n = len(structure[2]) - structure[4]
+                own.extend(tensors[k : k + n])
+                k += n
             module = flat[pos]
             # The same module passed twice is bound once: its first slot's
             # tensors go unused (zero gradients, which add up right).
@@ -399,14 +418,19 @@ class _Plan:
             mapping = dict(zip(structure[2], own))
             if structure[3]:
                 _add_aliases(module, mapping, structure[2], structure[3], own)
-            bindings.append((module, mapping))
-        if self.ordered:
-            k += 1  # the order token
-        for pos in self.mutated:
-            flat[pos] = tensors[k]
-            k += 1
+            bindings.append((module, mapping, kind))
         args, kwargs = pytree.tree_unflatten(flat, self.spec)
         return args, kwargs, bindings
+
+
+def _split_module_tensors(kind, structure, tensors, inputs, mutable_buffers):
+    """A module's tensors: all inputs, or (declared mutable) parameters as
+    inputs and buffers as mutated tensors."""
+    if kind == _IN_MODULE:
+        inputs.extend(tensors)
+    else:
+        inputs.extend(tensors[: structure[4]])
+        mutable_buffers.extend(tensors[structure[4] :])
 
 
 def _owner(module, name):
@@ -435,15 +459,30 @@ def _invoke(leaf, fn, plan, tensors, arguments, fake):
     if not bindings:
         return fn(*args, **kwargs)
     stack = []
+    # In-place changes to a module's tensors are the C++ core's undeclared
+    # mutation error too, but only Python knows their names.
+    versions = [
+        [(name, t, t._version) for name, t in mapping.items() if not t.is_inference()]
+        if kind == _IN_MODULE else ()
+        for _, mapping, kind in bindings
+    ]
     try:
-        for module, mapping in bindings:
+        for module, mapping, _ in bindings:
             # Not strict: a name of an attribute that another name of the
             # mapping already sets is left out (see _add_aliases).
             ctx = _reparametrize_module(module, mapping, tie_weights=False, strict=False)
             ctx.__enter__()
             stack.append(ctx)
         out = fn(*args, **kwargs)
-        for module, mapping in bindings:
+        for (module, mapping, kind), before in zip(bindings, versions):
+            for name, t, version in before:
+                if t._version != version:
+                    raise LeafFunctionError(
+                        f"torchleaf: leaf function '{leaf._name}' changed '{name}' of its "
+                        f"{type(module).__name__} argument in place without declaring it. Name that "
+                        f"argument in mutates_args (its buffers may then change in place, e.g. "
+                        f"BatchNorm's running statistics; its parameters never), or clone first."
+                    )
             current = dict(module.named_parameters(remove_duplicate=False))
             current.update(module.named_buffers(remove_duplicate=False))
             for name, tensor in mapping.items():
@@ -680,7 +719,8 @@ class LeafFunction:
                         slots.append((_IN_TENSOR, pos, None))
                 elif type(k) is tuple and len(k) == 2 and k[0] is _MODULE_KEY:
                     template.append(None)
-                    slots.append((_IN_MODULE, pos, k[1]))
+                    kind = _IN_MODULE_MUTABLE_BUFFERS if pos in mutated_positions else _IN_MODULE
+                    slots.append((kind, pos, k[1]))
                 elif k is _INT or k is _NEGATIVE_INT:
                     template.append(None)
                     slots.append((_IN_INT if k is _INT else _IN_NEGATIVE_INT, pos, None))
@@ -732,17 +772,18 @@ class LeafFunction:
                 key.append(None)  # eager: the call passes its own constants
         plan = self._plan_from_key(spec, tuple(key), _TRACED if traced else _EAGER)
         inputs = []
+        mutable_buffers = []
         modules = iter(module_tensors)
-        for kind, pos, _ in plan.slots:
+        for kind, pos, structure in plan.slots:
             if kind == _IN_TENSOR:
                 inputs.append(flat[pos])
             elif kind == _IN_NDARRAY:
                 inputs.append(torch.from_numpy(flat[pos]))
             else:
-                inputs.extend(next(modules))
+                _split_module_tensors(kind, structure, next(modules), inputs, mutable_buffers)
         if traced:
             inputs.extend(handles)
-        return plan, inputs, [flat[pos] for pos in plan.mutated]
+        return plan, inputs, [flat[pos] for pos in plan.mutated] + mutable_buffers
 
     # -- calls
     def __call__(self, *args, **kwargs):
@@ -801,10 +842,10 @@ class LeafFunction:
             if isinstance(x, _Tensor):
                 skeleton.append(_TENSOR)
             elif isinstance(x, nn.Module):
-                names, aliases, tensors = _module_state(x)
+                names, aliases, n_params, tensors = _module_state(x)
                 cls = type(x)
                 skeleton.append(_MODULE)
-                structures.append((cls.__module__, cls.__qualname__, names, aliases))
+                structures.append((cls.__module__, cls.__qualname__, names, aliases, n_params))
                 module_tensors.append(tensors)
                 handle = x.__dict__.get(_HANDLE_ATTR)
                 if handle is None:
@@ -827,10 +868,11 @@ class LeafFunction:
             self, pytree.tree_unflatten(skeleton, spec), tuple(structures)
         )
         inputs = []
+        mutable_buffers = []
         module_index = 0
-        for kind, pos, _ in slots:
-            if kind == _IN_MODULE:
-                inputs.extend(module_tensors[module_index])
+        for kind, pos, structure in slots:
+            if kind in _MODULE_KINDS:
+                _split_module_tensors(kind, structure, module_tensors[module_index], inputs, mutable_buffers)
                 module_index += 1
             elif kind == _IN_TENSOR:
                 inputs.append(flat[pos])
@@ -852,7 +894,7 @@ class LeafFunction:
         # take the token but return theirs unused, ordered by graph order.
         global _ORDER_TOKEN
         inputs.append(_ORDER_TOKEN)
-        mutated = [flat[pos] for pos in mutated_positions]
+        mutated = [flat[pos] for pos in mutated_positions] + mutable_buffers
         if mutated:
             outputs = torch.ops.torchleaf.call_mutating(self._id, plan_index, inputs, mutated)
         else:

@@ -222,3 +222,41 @@ def test_weights_tied_across_modules(backend):
     expected = torch.autograd.grad(lm(tokens).sum(), weight)[0]
     torch.testing.assert_close(got, expected)
     assert lm.emb.weight is weight and lm.head.weight is weight  # the module is left as it was
+
+
+@torchleaf.leaf_function(mutates_args={"bn"})
+def _normalize(x, bn):
+    return bn(x).relu()
+
+
+_normalize.register_fake(lambda x, bn: torch.empty_like(x))
+
+
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+def test_module_buffers_declared_mutable_batchnorm_in_train_mode(backend):
+    torch._dynamo.reset()
+    bn, reference = nn.BatchNorm1d(3).double(), nn.BatchNorm1d(3).double()
+    reference.load_state_dict(bn.state_dict())
+    run = _normalize if backend is None else torch.compile(_normalize, backend=backend, fullgraph=True)
+    for step in range(3):
+        x = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
+        got = run(x, bn)
+        expected = reference(x).relu()
+        torch.testing.assert_close(got, expected)
+        grads = torch.autograd.grad(got.sum(), [x, bn.weight, bn.bias])
+        for g, e in zip(grads, torch.autograd.grad(expected.sum(), [x, reference.weight, reference.bias])):
+            torch.testing.assert_close(g, e)
+    torch.testing.assert_close(bn.running_mean, reference.running_mean)
+    torch.testing.assert_close(bn.running_var, reference.running_var)
+    assert bn.num_batches_tracked.item() == reference.num_batches_tracked.item() == 3
+
+
+def test_undeclared_in_place_change_of_a_module_buffer_names_it():
+    bn = nn.BatchNorm1d(3)
+    leaf = _leaf(lambda x, bn: bn(x), lambda x, bn: torch.empty_like(x))
+    with pytest.raises(LeafFunctionError, match=r"changed '(running_mean|running_var|num_batches_tracked)' of its "
+                       r"BatchNorm1d argument in place without declaring it\. Name that argument in mutates_args"):
+        leaf(torch.randn(4, 3), bn)
+    assert torchleaf.live_states() == 0
+    bn.eval()  # eval mode changes nothing: fine
+    torch.testing.assert_close(leaf(torch.ones(4, 3), bn), bn(torch.ones(4, 3)))
