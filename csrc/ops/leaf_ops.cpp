@@ -319,6 +319,14 @@ TensorList backward_kernel(
   auto captured = lookup_state(state, *entry);
   auto grads_in = replay(*captured, to_vector(grads));
   release_after_backward(state);
+  // The fake kernel knows only the inputs' sizes and promises contiguous
+  // gradients (Inductor asserts the strides); a channels_last input's
+  // gradient is channels_last.
+  for (auto& g : grads_in) {
+    if (!g.is_contiguous()) {
+      g = g.contiguous();
+    }
+  }
   return grads_in;
 }
 

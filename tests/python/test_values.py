@@ -260,3 +260,17 @@ def test_undeclared_in_place_change_of_a_module_buffer_names_it():
     assert torchleaf.live_states() == 0
     bn.eval()  # eval mode changes nothing: fine
     torch.testing.assert_close(leaf(torch.ones(4, 3), bn), bn(torch.ones(4, 3)))
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+def test_channels_last_inputs(backend):
+    torch._dynamo.reset()
+
+    def act(x):
+        return x.relu() * 2
+
+    leaf = _leaf(act, torch.empty_like)
+    x = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last).requires_grad_()
+    compiled = torch.compile(lambda x: leaf(x).sum(), backend=backend, fullgraph=True)
+    got = torch.autograd.grad(compiled(x), x)[0]
+    torch.testing.assert_close(got, torch.autograd.grad(act(x).sum(), x)[0])
