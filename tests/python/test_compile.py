@@ -208,7 +208,12 @@ def test_torch_compile_trains_like_eager(backend):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_side_effects_run_in_program_order_even_when_unused(backend):
+@pytest.mark.parametrize("grad", [False, True])
+def test_side_effects_run_in_program_order_even_when_unused(backend, grad):
+    """Calls run once each, in program order, whether their outputs are used
+    or not and wherever they are used: they are ordered by the token they
+    thread, and Inductor's reordering passes move independent nodes."""
+    torch._dynamo.reset()
     log = []
 
     def make(tag):
@@ -223,18 +228,23 @@ def test_side_effects_run_in_program_order_even_when_unused(backend):
 
         return record
 
-    first, second = make("first"), make("second")
+    a, b, c = make("a"), make("b"), make("c")
 
     def program(x):
-        second(x)  # output unused
-        first(x)  # output unused
-        second(x)
-        return x * 2
+        y = x.sin()
+        first = a(x)  # used last
+        b(x)  # unused
+        third = c(y * 2)
+        return (third * 3).cos() + first.exp() * 2
 
     compiled = torch.compile(program, backend=backend, fullgraph=True)
-    x = torch.randn(3, requires_grad=True)
-    compiled(x).sum().backward()
-    assert log == ["second", "first", "second"]
+    x = torch.randn(8, requires_grad=grad)
+    for _ in range(2):
+        log.clear()
+        out = compiled(x)
+        assert log == ["a", "b", "c"]
+    log.clear()
+    torch.testing.assert_close(out, program(x))
 
 
 @pytest.mark.parametrize("backend", ["aot_function", "aot_eager", "inductor"])
