@@ -274,3 +274,21 @@ def test_channels_last_inputs(backend):
     compiled = torch.compile(lambda x: leaf(x).sum(), backend=backend, fullgraph=True)
     got = torch.autograd.grad(compiled(x), x)[0]
     torch.testing.assert_close(got, torch.autograd.grad(act(x).sum(), x)[0])
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+def test_unbacked_output_size_with_gradients(backend):
+    torch._dynamo.reset()
+
+    def positives(x):
+        return x[x > 0] * 2
+
+    def fake(x):
+        return x.new_empty(torch.library.get_ctx().new_dynamic_size())
+
+    leaf = _leaf(positives, fake)
+    x = torch.randn(8, requires_grad=True)
+    compiled = torch.compile(lambda x: leaf(x).sum(), backend=backend, fullgraph=True)
+    torch.testing.assert_close(compiled(x), positives(x).sum())
+    got = torch.autograd.grad(compiled(x), x)[0]
+    torch.testing.assert_close(got, torch.autograd.grad(positives(x).sum(), x)[0])
