@@ -816,9 +816,24 @@ class LeafFunction:
             # Something records the call after all (a functorch transform):
             # describe it for a graph.
         self._check_not_exporting()
+        self._check_no_sharded_modules(flat)
         plan, inputs, mutated = self._plan_for(flat, spec, traced=True)
         outputs, desc = _C.call(self._id, plan.index, inputs, mutated, None)
         return _decode(desc if desc is not None else plan.out, outputs)
+
+    def _check_no_sharded_modules(self, flat):
+        for x in flat:
+            if isinstance(x, nn.Module):
+                for name, t in itertools.chain(x.named_parameters(), x.named_buffers()):
+                    if type(t).__name__ == "DTensor":
+                        raise LeafFunctionError(
+                            f"torchleaf: leaf function '{self._name}' got a {type(x).__name__} "
+                            f"argument whose '{name}' is a sharded DTensor: FSDP gathers a module's "
+                            f"parameters in its own forward, which runs inside the leaf, too late. "
+                            f"Shard only a parent of the module (fully_shard(model)), or gather it "
+                            f"before the call: fully_shard(module, reshard_after_forward=False) and "
+                            f"module.unshard() before calling the leaf."
+                        )
 
     def _check_not_exporting(self):
         if torch.compiler.is_exporting():
