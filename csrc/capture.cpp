@@ -15,6 +15,7 @@
 
 #include <sstream>
 
+#include <torchleaf/config.h>
 #include <torchleaf/errors.h>
 
 namespace torchleaf {
@@ -451,14 +452,20 @@ namespace {
 // thread-local state, a ready queue); a leaf's graph is usually a handful of
 // nodes, and running them here in dependency order computes the same
 // gradients for a fraction of that. Anything else goes to the engine:
-// anomaly mode, hooks, non-CPU tensors, large graphs, or an enclosing
-// backward restricted to some inputs (its bookkeeping would hide our nodes).
+// anomaly mode, hooks (tensor, pre, post, retain_grad), non-CPU tensors,
+// large graphs, or an enclosing backward restricted to some inputs (its
+// bookkeeping would hide our nodes). Returns nullopt for those, when
+// Config::inline_replay() is off, and on other PyTorch releases
+// (TORCHLEAF_INLINE_REPLAY_SUPPORTED in capture.h).
 std::optional<variable_list> replay_inline(
     const CapturedState& state,
     const edge_list& roots,
     variable_list& root_grads) {
+#if !TORCHLEAF_INLINE_REPLAY_SUPPORTED
+  return std::nullopt;
+#else
   constexpr size_t kMaxNodes = 32;
-  if (torch::autograd::AnomalyMode::is_enabled()) {
+  if (!Config::inline_replay() || torch::autograd::AnomalyMode::is_enabled()) {
     return std::nullopt;
   }
   if (const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
@@ -515,6 +522,10 @@ std::optional<variable_list> replay_inline(
   for (auto* fn : nodes) {
     buffers.emplace_back(fn->num_inputs());
   }
+  // As Engine::execute does: root gradients take their outputs' dtype (and
+  // a broadcastable shape is summed), and a mismatch is the engine's error.
+  torch::autograd::validate_outputs(
+      roots, root_grads, [](const std::string& msg) { return msg; });
   variable_list results(state.input_edges.size());
   auto deliver = [&](const Edge& edge, at::Tensor grad) {
     if (auto s = sink_index(state, edge.function.get()); s >= 0) {
@@ -558,6 +569,7 @@ std::optional<variable_list> replay_inline(
     }
   }
   return results;
+#endif
 }
 
 } // namespace
@@ -607,6 +619,15 @@ TensorList replay(
   for (size_t i = 0; i < out.size(); ++i) {
     if (i < results.size() && results[i].defined()) {
       out[i] = std::move(results[i]);
+      // As for forward outputs (run_real): a graph owns its operators'
+      // outputs, and Inductor reuses a dead one's buffer for an in-place
+      // kernel. A gradient may share storage with another one or with an
+      // incoming gradient (AddBackward passes one tensor to both inputs),
+      // or be a tensor the captured graph holds; it gets its own copy.
+      if (out[i].use_count() > 1 ||
+          (out[i].has_storage() && out[i].storage().use_count() > 1)) {
+        out[i] = out[i].clone();
+      }
     } else {
       // The fake cannot show which inputs are used, so traced backward
       // graphs expect a tensor for every differentiable input.

@@ -2,6 +2,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/version.h>
 
 #include <memory>
 #include <optional>
@@ -9,6 +10,20 @@
 
 #include "registry.h"
 #include "state.h"
+
+// replay's inline path (capture.cpp) re-implements the slice of
+// torch::autograd::Engine::execute that a small CPU graph needs, on engine
+// internals with no stability promise: InputBuffer's accumulation and
+// signature, validate_outputs, what a graph task's exec_info means, which
+// hooks a Node can carry. It is verified against PyTorch 2.13 only
+// (tests/cpp/test_replay.cpp compares it with the engine); built against any
+// other release, it is compiled out and every replay uses the engine, which
+// is always right.
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 13
+#define TORCHLEAF_INLINE_REPLAY_SUPPORTED 1
+#else
+#define TORCHLEAF_INLINE_REPLAY_SUPPORTED 0
+#endif
 
 namespace torchleaf {
 

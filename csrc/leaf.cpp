@@ -5,6 +5,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cctype>
 
 #include <torchleaf/errors.h>
@@ -112,14 +113,40 @@ LeafFunction define_leaf(
       static_cast<bool>(real),
       qualified_name,
       "needs a real implementation; pass a non-empty LeafFn.");
+  if (options.num_inputs.has_value()) {
+    TORCHLEAF_CHECK(
+        *options.num_inputs >= 0,
+        qualified_name,
+        "declares a negative number of inputs (LeafOptions::inputs(",
+        *options.num_inputs,
+        ")).");
+  }
   for (auto p : options.mutates_inputs) {
     TORCHLEAF_CHECK(
         p >= 0,
         qualified_name,
         "declares a negative mutable input position ",
         p);
+    TORCHLEAF_CHECK(
+        !options.num_inputs.has_value() || p < *options.num_inputs,
+        qualified_name,
+        "declares mutable input position ",
+        p,
+        " but takes only ",
+        options.num_inputs.value_or(0),
+        " input(s) (LeafOptions::inputs).");
   }
   std::sort(options.mutates_inputs.begin(), options.mutates_inputs.end());
+  // The merge of a call's inputs and mutated tensors relies on distinct
+  // positions (a repeated one would make the leaf uncallable).
+  const auto repeated = std::adjacent_find(
+      options.mutates_inputs.begin(), options.mutates_inputs.end());
+  TORCHLEAF_CHECK(
+      repeated == options.mutates_inputs.end(),
+      qualified_name,
+      "declares mutable input position ",
+      repeated == options.mutates_inputs.end() ? 0 : *repeated,
+      " more than once (LeafOptions::mutates).");
 
   // Nothing is published until the operator is defined: a failed
   // definition leaves no trace, and defining the name again may succeed.
@@ -161,6 +188,8 @@ std::optional<LeafFunction> find_leaf(const std::string& qualified_name) {
 }
 
 TensorList LeafFunction::operator()(const TensorList& inputs) const {
+  // Before the split below, so that a wrong count reads as one.
+  entry_->check_input_count(inputs.size());
   const auto& declared = entry_->options.mutates_inputs;
   if (declared.empty()) {
     return typed_op<LeafSignature>(*entry_).call(inputs);

@@ -59,6 +59,21 @@ bool LeafEntry::mutates(size_t flat_position) const {
   return false;
 }
 
+void LeafEntry::check_input_count(size_t received) const {
+  if (options.num_inputs.has_value()) {
+    TORCHLEAF_CHECK(
+        static_cast<int64_t>(received) == *options.num_inputs,
+        name,
+        "takes ",
+        *options.num_inputs,
+        " input tensor(s) (LeafOptions::inputs) but was called with ",
+        received,
+        ". Pass exactly ",
+        *options.num_inputs,
+        " tensors, mutable ones included, in the declared order.");
+  }
+}
+
 int64_t named_leaf_id(const std::string& name) {
   uint64_t hash = 14695981039346656037ull; // FNV-1a
   for (unsigned char c : name) {

@@ -62,6 +62,9 @@ struct TORCHLEAF_API LeafEntry : std::enable_shared_from_this<LeafEntry> {
   bool validate_outputs() const;
   bool check_escaped_gradients() const;
   bool mutates(size_t flat_position) const;
+  // Fails with a clear error when the leaf declares its arity
+  // (LeafOptions::inputs) and a call brings `received` tensors instead.
+  void check_input_count(size_t received) const;
 };
 
 using LeafEntryPtr = std::shared_ptr<const LeafEntry>;

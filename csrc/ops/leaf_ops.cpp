@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/FunctionalTensorWrapper.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <torchleaf/errors.h>
@@ -63,12 +64,61 @@ TensorList backward(
   return op.call(leaf, state, grads, input_meta);
 }
 
+namespace {
+
+// Whether `t` carries a forward-mode AD tangent. Eager forward AD has one
+// level, 0 (nesting is refused); torch.func.jvp nests through functorch
+// levels instead, each with its own wrapper tensors whose tangents are also
+// at level 0. _fw_grad honours the thread's forward-grad mode and finds a
+// view's tangent through its base; it takes a lock, which inputs with no
+// tangent and no view skip.
+bool has_forward_tangent(const at::Tensor& t) {
+  if (!t.defined()) {
+    return false;
+  }
+  const auto* meta = torch::autograd::impl::get_autograd_meta(t);
+  if (meta == nullptr || (!meta->fw_grad_ && !meta->is_view_)) {
+    return false;
+  }
+  return t._fw_grad(/*level=*/0).defined();
+}
+
+} // namespace
+
+void check_no_forward_tangents(
+    const LeafEntry& entry,
+    at::TensorList inputs,
+    at::TensorList mutated) {
+  for (size_t i = 0; i < inputs.size() + mutated.size(); ++i) {
+    const auto& t = i < inputs.size() ? inputs[i] : mutated[i - inputs.size()];
+    TORCHLEAF_CHECK(
+        !has_forward_tangent(t),
+        entry.name,
+        "received a forward-mode AD tangent at input ",
+        i,
+        ", but forward-mode AD (jvp, make_dual) is not supported through leaf "
+        "function '",
+        entry.name,
+        "'; the tangent would be silently lost. Use reverse-mode AD through "
+        "the leaf (torch.autograd.grad or .backward(); in eager mode a jvp is "
+        "the gradient of a vjp with respect to its cotangent, with "
+        "create_graph=True), or compute the jvp of the undecorated function.");
+  }
+}
+
 FlatInputs merge_inputs(
     const LeafEntry& entry,
     at::TensorList inputs,
     at::TensorList mutated) {
   FlatInputs flat;
   const size_t total = inputs.size() + mutated.size();
+  // Every kernel of every leaf operator (real, fake, forward, eager) merges
+  // its inputs here, so the declared arity is checked on every path.
+  entry.check_input_count(total);
+  // Also here, not only in the Autograd kernel: under nested functorch
+  // transforms (jvp of grad) the tangents sit on tensors that only the
+  // kernels below Autograd see.
+  check_no_forward_tangents(entry, inputs, mutated);
   flat.tensors.reserve(total);
   flat.input_positions.reserve(inputs.size());
   const auto& declared = entry.options.mutates_inputs;
@@ -92,22 +142,28 @@ FlatInputs merge_inputs(
       " mutable input(s) but received ",
       mutated.size(),
       " in the mutated list.");
+  // `declared` is sorted and free of duplicates (define_leaf), so once its
+  // largest position is in range, exactly inputs.size() positions are plain.
+  TORCHLEAF_CHECK(
+      static_cast<size_t>(declared.back()) < total,
+      entry.name,
+      "declares mutable input position ",
+      declared.back(),
+      " but was called with ",
+      total,
+      " input tensor(s), mutable ones included. Pass every input, or declare "
+      "the leaf's arity with LeafOptions::inputs to get this error with the "
+      "expected count.");
   size_t next_input = 0;
   size_t next_mutated = 0;
   flat.is_mutable.assign(total, false);
   for (size_t pos = 0; pos < total; ++pos) {
     if (entry.mutates(pos)) {
+      TORCH_INTERNAL_ASSERT(next_mutated < mutated.size());
       flat.is_mutable[pos] = true;
       flat.tensors.push_back(mutated[next_mutated++]);
     } else {
-      TORCHLEAF_CHECK(
-          next_input < inputs.size(),
-          entry.name,
-          "declares mutable input position ",
-          pos,
-          " beyond its ",
-          total,
-          " inputs.");
+      TORCH_INTERNAL_ASSERT(next_input < inputs.size());
       flat.input_positions.push_back(pos);
       flat.tensors.push_back(inputs[next_input++]);
     }

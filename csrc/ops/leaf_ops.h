@@ -79,6 +79,14 @@ FlatInputs merge_inputs(
     at::TensorList inputs,
     at::TensorList mutated);
 
+// Fails with a clear error naming `entry` when any input carries a
+// forward-mode AD tangent (make_dual, torch.func.jvp): the captured graph
+// only runs backward, so the tangent would be lost without a word.
+void check_no_forward_tangents(
+    const LeafEntry& entry,
+    at::TensorList inputs,
+    at::TensorList mutated);
+
 // Kernels shared by `call` and the named operators. `site` carries the plan
 // in and the real function's output description out.
 TORCHLEAF_API TensorList call_real(

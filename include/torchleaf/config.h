@@ -16,6 +16,16 @@ struct TORCHLEAF_API Config {
   // On by default: the check is a short walk of the captured graph.
   static bool check_escaped_gradients();
   static void set_check_escaped_gradients(bool enabled);
+
+  // Backward of a traced call replays the captured graph. A small CPU graph
+  // is replayed inline, in the calling thread, instead of through
+  // torch::autograd::Engine::execute: the same gradients for a fraction of
+  // the engine's fixed cost. On by default; turn it off to force the engine
+  // (debugging, or to compare the two). The inline replay is written against
+  // one PyTorch release's engine internals; built against any other,
+  // inline_replay() is always false and every replay uses the engine.
+  static bool inline_replay();
+  static void set_inline_replay(bool enabled);
 };
 
 } // namespace torchleaf

@@ -21,6 +21,11 @@ using TensorList = std::vector<at::Tensor>;
 using LeafFn = std::function<TensorList(const TensorList&)>;
 
 struct TORCHLEAF_API LeafOptions {
+  // Number of tensors the leaf takes (mutable ones included). When set, every
+  // call (eager, through the named operator, fake/meta) with another count is
+  // a clear error instead of reaching the implementation, which would index
+  // past the end of its input list. Unset: any count is passed through.
+  std::optional<int64_t> num_inputs;
   // Positions in the input list that the real implementation may mutate in
   // place. Any other in-place mutation of an input is an error.
   std::vector<int64_t> mutates_inputs;
@@ -29,6 +34,10 @@ struct TORCHLEAF_API LeafOptions {
   // Per-leaf override of Config::check_escaped_gradients().
   std::optional<bool> check_escaped_gradients;
 
+  LeafOptions& inputs(int64_t n) {
+    num_inputs = n;
+    return *this;
+  }
   LeafOptions& mutates(std::vector<int64_t> positions) {
     mutates_inputs = std::move(positions);
     return *this;

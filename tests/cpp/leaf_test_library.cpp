@@ -40,6 +40,21 @@ const auto count_calls = torchleaf::define_leaf(
     [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; },
     torchleaf::LeafOptions().mutates({1}));
 
+// Declares its arity: calls with another number of tensors are a clear
+// error instead of an out-of-bounds read of `in`.
+const auto checked_add = torchleaf::define_leaf(
+    "torchleaf_test::checked_add",
+    [](const TensorList& in) { return TensorList{in[0] + in[1]}; },
+    [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; },
+    torchleaf::LeafOptions().inputs(2));
+
+// f(x) = (x * 3).sin(), for forward-mode AD tests.
+const auto sin3 = torchleaf::define_leaf(
+    "torchleaf_test::sin3",
+    [](const TensorList& in) { return TensorList{(in[0] * 3).sin()}; },
+    [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; },
+    torchleaf::LeafOptions().inputs(1));
+
 } // namespace
 
 extern "C" void torchleaf_test_set_scale(double scale) {

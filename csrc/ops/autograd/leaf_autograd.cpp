@@ -184,6 +184,10 @@ std::optional<TensorList> call_autograd(
     at::TensorList inputs,
     at::TensorList mutated,
     CallSite& site) {
+  // First, so that a wrong count is reported as such, not as whatever the
+  // checks below would make of it.
+  entry.check_input_count(inputs.size() + mutated.size());
+  check_no_forward_tangents(entry, inputs, mutated);
   std::vector<int64_t> differentiable;
   if (at::GradMode::is_enabled()) {
     for (size_t i = 0; i < inputs.size(); ++i) {
