@@ -10,27 +10,45 @@ def _set_error_type(type: type[RuntimeError]) -> None:
 
 def define_python_leaf(
     name: str,
-    runner: Callable[[list[torch.Tensor], Any], tuple[list[torch.Tensor], Any]],
-    fake_runner: Callable[[list[torch.Tensor], Any, Any], list[torch.Tensor]],
-    call: Any,
+    runner: Callable[[Any, int, list[torch.Tensor], Any], tuple[list[torch.Tensor], Any]],
+    fake_runner: Callable[[Any, int, list[torch.Tensor], Any, Any], list[torch.Tensor]],
+    leaf_ref: Any,
     validate_outputs: Optional[bool] = None,
     check_escaped_gradients: Optional[bool] = None,
 ) -> int:
-    """Register a Python leaf with the core and return its id. `call` is the
-    fixed call description passed to the runners, or None to take it from the
-    enclosing `call`."""
+    """Register a Python leaf with the core and return its id. The core calls
+    runner(leaf_ref, plan, tensors, arguments) -> (tensors, output
+    description) and fake_runner(leaf_ref, plan, tensors, arguments, real
+    description or None) -> tensors; `leaf_ref` should be a weak reference, so
+    that the core keeps no user object alive."""
+
+def release_python_leaf(leaf: int) -> None:
+    """Remove a Python leaf from the core (when its LeafFunction dies); graphs
+    that still call it fail with a clear error."""
+
+OPERATOR_SCHEMA_VERSION: int
+"""Bumped whenever an operator schema or the meaning of its arguments changes."""
+
+def leaf_count() -> int:
+    """Number of leaves registered with the core."""
 
 def call(
-    leaf: int, inputs: Sequence[torch.Tensor], mutated: Sequence[torch.Tensor], call: Any
-) -> tuple[list[torch.Tensor], Any]:
-    """Call leaf `leaf` through torchleaf::call (all dispatch keys), with
-    `call` as the Python call description for runners that take it from the
-    caller. Returns (outputs, output description of the real call, or None
-    when a tracer ran the fake instead). Releases the GIL around the C++
-    work."""
+    leaf: int,
+    plan: int,
+    inputs: Sequence[torch.Tensor],
+    mutated: Sequence[torch.Tensor],
+    arguments: Any,
+) -> Optional[tuple[list[torch.Tensor], Any]]:
+    """Call a leaf. Plain eager calls run directly (no dispatcher round trip)
+    with `arguments` (opaque, handed to the runners) and return (outputs, the
+    real function's output description). Other calls go through
+    torchleaf::call(leaf, plan, ...) and return (outputs, None) -- or None,
+    without running anything, when `arguments` is not None: such calls must be
+    described for a graph. Releases the GIL around the C++ work."""
 
-def run_fake(leaf: int, inputs: list[torch.Tensor], mutated: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Run a leaf's fake implementation (C++ leaves)."""
+def run_fake(leaf: int, plan: int, inputs: list[torch.Tensor], mutated: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run a leaf's fake implementation for a call of `plan` (the fake kernel
+    of every torchleaf operator)."""
 
 def named_leaves() -> list[tuple[int, str, list[int]]]:
     """[(id, 'ns::name', mutable positions)] for every C++ leaf with a named operator."""
