@@ -37,6 +37,8 @@ void release_handle(void* context) {
 struct KeptStates {
   std::mutex mutex;
   std::unordered_map<int64_t, std::shared_ptr<CapturedState>> states;
+  // states.size(), readable without the lock: every traced backward asks.
+  std::atomic<size_t> count{0};
 };
 
 KeptStates& kept_states() {
@@ -64,6 +66,7 @@ at::Tensor make_state_handle(std::shared_ptr<CapturedState> state) {
     auto& kept = kept_states();
     std::lock_guard<std::mutex> lock(kept.mutex);
     kept.states.emplace(value, state);
+    kept.count.store(kept.states.size(), std::memory_order_relaxed);
   }
   auto* box = new HandleBox{value, std::move(state)};
   // A storage whose deleter is release_handle (a plain function pointer: no
@@ -129,6 +132,10 @@ std::shared_ptr<CapturedState> lookup_state(
 }
 
 void release_after_backward(const at::Tensor& handle) {
+  auto& kept = kept_states();
+  if (kept.count.load(std::memory_order_relaxed) == 0) {
+    return; // the usual case: no saved-tensor hooks, nothing kept
+  }
   if (torch::autograd::get_current_graph_task_id() != -1 &&
       torch::autograd::get_current_graph_task_keep_graph()) {
     return; // retain_graph=True: a later backward may need it
@@ -136,7 +143,6 @@ void release_after_backward(const at::Tensor& handle) {
   const int64_t value = *handle.const_data_ptr<int64_t>();
   std::shared_ptr<CapturedState> doomed;
   {
-    auto& kept = kept_states();
     std::lock_guard<std::mutex> lock(kept.mutex);
     auto it = kept.states.find(value);
     if (it == kept.states.end()) {
@@ -144,6 +150,7 @@ void release_after_backward(const at::Tensor& handle) {
     }
     doomed = std::move(it->second);
     kept.states.erase(it);
+    kept.count.store(kept.states.size(), std::memory_order_relaxed);
   }
   // `doomed` dies here, outside the lock (freeing a graph may re-enter).
 }

@@ -349,7 +349,7 @@ class _Plan:
     """
 
     __slots__ = (
-        "index", "spec", "template", "slots", "mutated", "n_modules", "traced", "ordered", "positional", "out"
+        "index", "spec", "template", "slots", "mutated", "ordered", "positional", "out"
     )
 
     def __init__(self, index, spec, template, slots, mutated, mode, positional):
@@ -360,8 +360,6 @@ class _Plan:
         self.template = template
         self.slots = slots  # ((kind, flat position, module structure or None), ...)
         self.mutated = mutated  # flat positions of declared-mutable tensors
-        self.n_modules = sum(1 for kind, _, _ in slots if kind in _MODULE_KINDS)
-        self.traced = mode != _EAGER
         self.ordered = mode == _COMPILED
         self.positional = positional  # tensors only, by position: call fn(*tensors)
         self.out = None  # the fake's output description, once traced
