@@ -5,17 +5,17 @@ PYTHON ?= python3
 BUILD_DIR := build/py
 PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
 DEB_PACKAGES := libgtest-dev libbenchmark-dev
-PY_DEPS := torch==2.13.0 "optree>=0.13" "pybind11>=2.12" "scikit-build-core>=0.10" ninja cmake \
+PY_DEPS := torch==2.13.0 "pybind11>=2.12" "scikit-build-core>=0.10" ninja cmake \
            "pytest>=8" "pytest-randomly>=3.15" "hypothesis>=6" numpy matplotlib
 
-.PHONY: all deps build test test-cpp test-python demo bench bench-quick sanitize clean
+.PHONY: all deps build test test-cpp test-python test-wheel demo bench bench-quick sanitize clean
 
 all: build
 
 deps:
 	@dpkg -s $(DEB_PACKAGES) >/dev/null 2>&1 || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEB_PACKAGES) >/dev/null)
-	@$(PYTHON) -c "import torch, optree, pybind11, scikit_build_core, pytest, pytest_randomly, hypothesis, numpy, matplotlib; \
+	@$(PYTHON) -c "import torch, pybind11, scikit_build_core, pytest, pytest_randomly, hypothesis, numpy, matplotlib; \
 	  assert torch.__version__.startswith('2.13.0')" 2>/dev/null || $(PIP) $(PY_DEPS)
 
 # Editable install; scikit-build-core drives CMake and builds libtorchleaf,
@@ -27,6 +27,11 @@ test: build test-cpp test-python
 
 test-cpp:
 	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 600
+
+# Only the wheel test (also part of test-cpp, as ctest `wheel`): builds the
+# wheel in build/wheel, installs it into a fresh venv and uses it there.
+test-wheel: deps
+	PYTHON=$(PYTHON) tests/packaging/wheel_test.sh . build/wheel-test
 
 # The Python suite runs in random order (pytest-randomly). The seed is printed
 # first, also under -q (which hides pytest's header); rerun one order with
