@@ -6,7 +6,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cctype>
 
 #include <torchleaf/errors.h>
 #include <torchleaf/leaf.h>
@@ -16,18 +15,6 @@
 
 namespace torchleaf {
 namespace {
-
-bool is_identifier(const std::string& s) {
-  if (s.empty() || std::isdigit(static_cast<unsigned char>(s[0]))) {
-    return false;
-  }
-  for (char c : s) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_')) {
-      return false;
-    }
-  }
-  return true;
-}
 
 using LeafSignature = TensorList(at::TensorList);
 using MutatingLeafSignature = TensorList(at::TensorList, at::TensorList);
@@ -99,16 +86,7 @@ LeafFunction define_leaf(
     LeafFn real,
     LeafFn fake,
     LeafOptions options) {
-  const auto sep = qualified_name.find("::");
-  const std::string ns =
-      sep == std::string::npos ? "" : qualified_name.substr(0, sep);
-  const std::string name =
-      sep == std::string::npos ? "" : qualified_name.substr(sep + 2);
-  TORCHLEAF_CHECK(
-      is_identifier(ns) && is_identifier(name),
-      qualified_name,
-      "has a malformed name: expected \"namespace::name\" where both parts "
-      "are identifiers (letters, digits, underscores), e.g. \"mylib::scale\".");
+  const auto [ns, name] = split_qualified_name(qualified_name);
   TORCHLEAF_CHECK(
       static_cast<bool>(real),
       qualified_name,

@@ -1,6 +1,7 @@
 #include "registry.h"
 
 #include <atomic>
+#include <cctype>
 #include <mutex>
 #include <random>
 #include <shared_mutex>
@@ -39,7 +40,31 @@ Registry& registry() {
   return *instance;
 }
 
+bool is_identifier(const std::string& s) {
+  if (s.empty() || std::isdigit(static_cast<unsigned char>(s[0]))) {
+    return false;
+  }
+  for (char c : s) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_')) {
+      return false;
+    }
+  }
+  return true;
+}
+
 } // namespace
+
+std::pair<std::string, std::string> split_qualified_name(const std::string& qualified_name) {
+  const auto sep = qualified_name.find("::");
+  std::string ns = sep == std::string::npos ? "" : qualified_name.substr(0, sep);
+  std::string name = sep == std::string::npos ? "" : qualified_name.substr(sep + 2);
+  TORCHLEAF_CHECK(
+      is_identifier(ns) && is_identifier(name),
+      qualified_name,
+      "has a malformed name: expected \"namespace::name\" where both parts "
+      "are identifiers (letters, digits, underscores), e.g. \"mylib::scale\".");
+  return {std::move(ns), std::move(name)};
+}
 
 bool LeafEntry::validate_outputs() const {
   return options.validate_outputs.value_or(Config::validate_outputs());

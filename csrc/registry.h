@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torchleaf/export.h>
@@ -73,6 +74,11 @@ using LeafEntryPtr = std::shared_ptr<const LeafEntry>;
 
 // The id the named leaf `name` gets (a hash of the name).
 TORCHLEAF_API int64_t named_leaf_id(const std::string& name);
+
+// ("ns", "name") of "ns::name"; a clear error when either part is not an
+// identifier.
+TORCHLEAF_API std::pair<std::string, std::string> split_qualified_name(
+    const std::string& qualified_name);
 
 // Fails with "already defined" when a named leaf `name` exists.
 TORCHLEAF_API void check_name_free(const std::string& name);

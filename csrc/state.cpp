@@ -4,8 +4,10 @@
 #include <c10/core/Storage.h>
 
 #include <atomic>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include <ATen/SavedTensorHooks.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -48,6 +50,36 @@ KeptStates& kept_states() {
 
 bool is_handle_storage(const at::Tensor& handle) {
   return handle.storage().data_ptr().get_deleter() == &release_handle;
+}
+
+// What the storage of a stacked handle (stack_state_handles) owns: one value
+// and one state per element, element k at storage offset k.
+struct StackedHandleBox {
+  std::vector<int64_t> values;
+  std::vector<std::shared_ptr<CapturedState>> states;
+};
+
+void release_stacked_handle(void* context) {
+  delete static_cast<StackedHandleBox*>(context);
+}
+
+bool is_stacked_handle_storage(const at::Tensor& handle) {
+  return handle.storage().data_ptr().get_deleter() == &release_stacked_handle;
+}
+
+// The state of the element of `storage` at `offset`, or nullptr.
+std::shared_ptr<CapturedState> state_at(const c10::Storage& storage, int64_t offset) {
+  const auto& data = storage.data_ptr();
+  if (data.get_deleter() == &release_handle) {
+    return offset == 0 ? static_cast<const HandleBox*>(data.get_context())->state : nullptr;
+  }
+  if (data.get_deleter() == &release_stacked_handle) {
+    const auto* box = static_cast<const StackedHandleBox*>(data.get_context());
+    if (offset >= 0 && static_cast<size_t>(offset) < box->states.size()) {
+      return box->states[offset];
+    }
+  }
+  return nullptr;
 }
 
 } // namespace
@@ -105,6 +137,8 @@ std::shared_ptr<CapturedState> lookup_state(
   std::shared_ptr<CapturedState> state;
   if (well_formed && is_handle_storage(handle)) {
     state = static_cast<const HandleBox*>(handle.storage().data_ptr().get_context())->state;
+  } else if (well_formed && is_stacked_handle_storage(handle)) {
+    state = state_at(handle.storage(), handle.storage_offset());
   } else if (well_formed) { // a copy made by a saved-tensor hook?
     auto& kept = kept_states();
     std::lock_guard<std::mutex> lock(kept.mutex);
@@ -129,6 +163,61 @@ std::shared_ptr<CapturedState> lookup_state(
       state->entry->name,
       "'; pass the handle that this leaf's forward returned.");
   return state;
+}
+
+at::Tensor stack_state_handles(at::TensorList handles) {
+  TORCH_CHECK(!handles.empty(), "stack_state_handles: no handles");
+  const auto shape = handles[0].sizes().vec();
+  auto box = std::make_unique<StackedHandleBox>();
+  for (const auto& h : handles) {
+    TORCH_CHECK(
+        is_concrete_handle(h) && h.scalar_type() == at::kLong && h.sizes().equals(shape),
+        "stack_state_handles: expected state handles of shape ",
+        shape,
+        ", got ",
+        h.defined() ? c10::str(h.toString(), h.sizes()) : "undefined");
+    // Every element of `h` in row-major order, found through its storage
+    // offset (a view of a stacked handle selects some of its states).
+    const auto numel = h.numel();
+    std::vector<int64_t> index(h.dim(), 0);
+    for (int64_t n = 0; n < numel; ++n) {
+      int64_t offset = h.storage_offset();
+      for (int64_t d = 0; d < h.dim(); ++d) {
+        offset += index[d] * h.stride(d);
+      }
+      auto state = state_at(h.storage(), offset);
+      TORCH_CHECK(
+          state != nullptr,
+          "stack_state_handles: element ",
+          n,
+          " of a handle has no captured state (not a state handle, or a copy "
+          "of one)");
+      box->values.push_back(static_cast<const int64_t*>(h.storage().data())[offset]);
+      box->states.push_back(std::move(state));
+      for (int64_t d = h.dim() - 1; d >= 0; --d) {
+        if (++index[d] < h.size(d)) {
+          break;
+        }
+        index[d] = 0;
+      }
+    }
+  }
+  std::vector<int64_t> sizes{static_cast<int64_t>(handles.size())};
+  sizes.insert(sizes.end(), shape.begin(), shape.end());
+  const size_t count = box->values.size();
+  auto* raw = box.release();
+  c10::Storage storage(
+      c10::Storage::use_byte_size_t(),
+      count * sizeof(int64_t),
+      c10::DataPtr(raw->values.data(), raw, &release_stacked_handle, c10::Device(c10::kCPU)),
+      /*allocator=*/nullptr,
+      /*resizable=*/false);
+  auto stacked = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(storage),
+      c10::DispatchKeySet(c10::DispatchKey::CPU),
+      caffe2::TypeMeta::Make<int64_t>());
+  stacked.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  return stacked;
 }
 
 void release_after_backward(const at::Tensor& handle) {

@@ -43,6 +43,12 @@ struct CapturedState {
   // leads to an input sink, with that input's index: eager calls rewire them
   // to the caller's graph.
   std::vector<std::pair<torch::autograd::Edge*, size_t>> sink_uses;
+  // Set when autograd recorded the forward that made this state (inputs
+  // requiring grad below a torch.func grad transform): the node that
+  // refuses backward through its outputs. backward links the gradients it
+  // computes to it, so that differentiating them raises instead of
+  // silently missing a second derivative.
+  torch::autograd::Edge refused_outer;
 };
 
 // Returns the handle that owns `state`: a 0-dim int64 CPU tensor whose
@@ -63,6 +69,13 @@ at::Tensor make_state_handle(std::shared_ptr<CapturedState> state);
 std::shared_ptr<CapturedState> lookup_state(
     const at::Tensor& handle,
     const LeafEntry& entry);
+
+// One handle of shape [N, *S] for N handles of shape S (each a handle, or a
+// view of one that this function made): element i of the result names the
+// state that element of handles[i] names. A per-sample loop under vmap
+// (torch.func) returns it as its batched state handle, so that each
+// sample's backward finds its own state through lookup_state.
+TORCHLEAF_API at::Tensor stack_state_handles(at::TensorList handles);
 
 // Called by backward after replaying `handle`'s state: forgets a state kept
 // for copies when the running backward does not retain the graph.

@@ -11,6 +11,7 @@
 
 #include <torchleaf/torchleaf.h>
 
+#include "../ops/bound_named_ops.h"
 #include "../ops/leaf_ops.h"
 #include "../registry.h"
 #include "../state.h"
@@ -191,6 +192,18 @@ py::list run_fake(int64_t leaf, int64_t plan, const TensorList& inputs, const Te
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
+// The plan resolver of named Python leaves: `resolver(leaf, call)` is
+// torchleaf's own function (it holds no user object).
+void bind_named_operator(const std::string& name, int64_t leaf, bool mutating, py::object resolver) {
+  HANDLE_TH_ERRORS
+  auto held = hold(std::move(resolver));
+  ops::bind_named_operator(name, leaf, mutating, [held](int64_t id, const std::string& call) {
+    py::gil_scoped_acquire gil;
+    return py::reinterpret_borrow<py::object>(ptr(held))(id, call).cast<int64_t>();
+  });
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
 py::list named_leaves() {
   py::list out;
   for (const auto& e : torchleaf::named_leaves()) {
@@ -222,6 +235,13 @@ PYBIND11_MODULE(_C, m) {
         "output description) and fake_runner(leaf_ref, plan, tensors, "
         "arguments, real description or None) -> tensors; `leaf_ref` should "
         "be a weak reference, so that the core keeps no user object alive.");
+  m.def("bind_named_operator", &bind_named_operator, py::arg("name"), py::arg("leaf"),
+        py::arg("mutating"), py::arg("resolver"),
+        "Make the operator `name` ('ns::op', defined on first use with schema "
+        "(Tensor[] inputs, [Tensor(a!)[] mutated,] str call) -> Tensor[]) call "
+        "the Python leaf `leaf`; resolver(leaf, call) -> plan turns a call "
+        "description into a plan, once per distinct description. Fails when "
+        "a live leaf or a C++ leaf has the name.");
   m.def("release_python_leaf", &unregister_leaf, py::arg("leaf"),
         "Remove a Python leaf from the core (when its LeafFunction dies); "
         "graphs that still call it fail with a clear error.");
@@ -244,6 +264,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("named_leaves", &torchleaf::python::named_leaves,
         "[(id, 'ns::name', mutable positions)] for every C++ leaf with a named "
         "operator.");
+  m.def("stack_state_handles",
+        [](const std::vector<at::Tensor>& handles) { return stack_state_handles(handles); },
+        py::arg("handles"),
+        "One state handle of shape [N, *S] for N handles of shape S (handles "
+        "that torchleaf::forward returned, or views of stacked ones): element "
+        "i names the states of handles[i]. The batched state of a per-sample "
+        "loop under vmap.");
   m.def("live_states", &live_states,
         "Number of captured autograd states alive now.");
   m.def("get_validate_outputs", &Config::validate_outputs,

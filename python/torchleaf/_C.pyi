@@ -22,6 +22,15 @@ def define_python_leaf(
     description or None) -> tensors; `leaf_ref` should be a weak reference, so
     that the core keeps no user object alive."""
 
+def bind_named_operator(
+    name: str, leaf: int, mutating: bool, resolver: Callable[[int, str], int]
+) -> None:
+    """Make the operator `name` ('ns::op', defined on first use with schema
+    (Tensor[] inputs, [Tensor(a!)[] mutated,] str call) -> Tensor[]) call the
+    Python leaf `leaf`; resolver(leaf, call) -> plan turns a call description
+    into a plan, once per distinct description. Fails when a live leaf or a
+    C++ leaf has the name."""
+
 def release_python_leaf(leaf: int) -> None:
     """Remove a Python leaf from the core (when its LeafFunction dies); graphs
     that still call it fail with a clear error."""
@@ -52,6 +61,11 @@ def run_fake(leaf: int, plan: int, inputs: list[torch.Tensor], mutated: list[tor
 
 def named_leaves() -> list[tuple[int, str, list[int]]]:
     """[(id, 'ns::name', mutable positions)] for every C++ leaf with a named operator."""
+
+def stack_state_handles(handles: list[torch.Tensor]) -> torch.Tensor:
+    """One state handle of shape [N, *S] for N handles of shape S: element i
+    names the states of handles[i] (the batched state of a per-sample loop
+    under vmap)."""
 
 def live_states() -> int:
     """Number of captured autograd states alive now."""

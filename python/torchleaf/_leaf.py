@@ -22,6 +22,7 @@ Calls come in two forms, sharing plans and the rebuild code:
 import functools
 import inspect
 import itertools
+import json
 import threading
 import weakref
 
@@ -30,7 +31,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from . import _C
+from . import _C, _functorch
 from ._errors import LeafFunctionError
 
 _Tensor = torch.Tensor
@@ -601,6 +602,107 @@ def _tracing_active(tensors):
     return False
 
 
+# ---------------------------------------------------------------- named leaves
+# A leaf with a name (@leaf_function(name="ns::op")) is also the operator
+# ns::op(Tensor[] inputs, [Tensor(a!)[] mutated,] str call) -> Tensor[]: the
+# form in which it is exported. `call` describes the call's structure in
+# JSON (pytree spec, constants, which flat arguments are tensors, and the
+# module to import), so another process that imports that module can
+# rebuild the call; the core turns each distinct description into a plan of
+# the leaf bound to the name there (bound_named_ops.h), once.
+_CALL_FORMAT = 1
+_NAMED: "weakref.WeakValueDictionary[str, LeafFunction]" = weakref.WeakValueDictionary()
+
+
+def _export_constant(leaf, value, position):
+    if value is None or type(value) in (bool, int, float, str):
+        return ["const", value]
+    if isinstance(value, torch.dtype):
+        return ["dtype", str(value).removeprefix("torch.")]
+    if isinstance(value, torch.device):
+        return ["device", str(value)]
+    raise LeafFunctionError(
+        f"torchleaf: leaf function '{leaf._name}' got a {type(value).__name__} as flat argument "
+        f"{position} of an exported call; an exported program stores non-tensor arguments as "
+        f"constants, which may be None, bool, int, float, str, torch.dtype or torch.device. Pass "
+        f"it as a tensor, or as one of those."
+    )
+
+
+def _import_constant(item):
+    kind, value = item
+    if kind == "const":
+        return value
+    if kind == "dtype":
+        return getattr(torch, value)
+    return torch.device(value)
+
+
+@torch._dynamo.assume_constant_result
+def _describe_for_export(leaf, skeleton):
+    """(call description, plan index, flat positions of tensors, flat positions
+    of mutated tensors) of an exported call; ``skeleton``: the call's
+    arguments with _TENSOR for tensors. A constant of Dynamo's graph when
+    export traces with Dynamo (strict mode)."""
+    flat, spec = pytree.tree_flatten(skeleton)
+    try:
+        spec_json = pytree.treespec_dumps(spec)
+    except Exception as e:  # e.g. a namedtuple or dataclass without serialization
+        raise LeafFunctionError(
+            f"torchleaf: leaf function '{leaf._name}' was exported with arguments whose structure "
+            f"cannot be saved ({e}). Pass tensors and plain constants in tuples, lists and dicts."
+        ) from None
+    args = [["tensor"] if x is _TENSOR else _export_constant(leaf, x, i) for i, x in enumerate(flat)]
+    call = json.dumps(
+        {"torchleaf": _CALL_FORMAT, "leaf": leaf._qualified_name, "import": leaf.__module__,
+         "spec": spec_json, "args": args},
+        separators=(",", ":"),
+    )
+    plan = leaf._plan_from_key(spec, tuple(flat), _TRACED)
+    tensors = tuple(pos for kind, pos, _ in plan.slots if kind == _IN_TENSOR)
+    return call, plan.index, tensors, plan.mutated
+
+
+def _plan_for_call(leaf_id, call):
+    """The core's resolver: the plan of leaf ``leaf_id`` for a call description."""
+    try:
+        desc = json.loads(call)
+        name = desc["leaf"]
+        if desc["torchleaf"] != _CALL_FORMAT:
+            raise ValueError(f"format {desc['torchleaf']}, expected {_CALL_FORMAT}")
+        spec = pytree.treespec_loads(desc["spec"])
+        key = tuple(_TENSOR if item[0] == "tensor" else _import_constant(item) for item in desc["args"])
+    except Exception as e:
+        raise LeafFunctionError(
+            f"torchleaf: a named leaf operator received a call description it cannot read ({e}): "
+            f"{call!r}. It was written by another torchleaf version or edited; export the program "
+            f"again."
+        ) from None
+    leaf = _NAMED.get(name)
+    if leaf is None or leaf._id != leaf_id:
+        raise LeafFunctionError(f"torchleaf: leaf function '{name}' is not defined in this process.")
+    if spec.num_leaves != len(key):
+        raise LeafFunctionError(
+            f"torchleaf: leaf function '{name}' received a call description whose structure and "
+            f"arguments disagree: {call!r}. Export the program again."
+        )
+    return leaf._plan_from_key(spec, key, _TRACED).index
+
+
+def _named_fake(inputs, *rest):
+    """The fake of every named Python leaf operator."""
+    call = rest[-1]
+    mutated = list(rest[0]) if len(rest) == 2 else []
+    name = json.loads(call)["leaf"]
+    leaf = _NAMED.get(name)
+    if leaf is None:
+        raise LeafFunctionError(
+            f"torchleaf: leaf function '{name}' is not defined in this process; import the module "
+            f"that defines it (@torchleaf.leaf_function(name={name!r})) first."
+        )
+    return _C.run_fake(leaf._id, _plan_for_call(leaf._id, call), list(inputs), mutated)
+
+
 # ------------------------------------------------------------------ decorator
 class LeafFunction:
     """A function that tracers treat as one opaque operator call.
@@ -611,7 +713,7 @@ class LeafFunction:
     :meth:`register_fake` instead.
     """
 
-    def __init__(self, fn, mutates_args=(), validate_outputs=None, check_escaped_gradients=None):
+    def __init__(self, fn, mutates_args=(), validate_outputs=None, check_escaped_gradients=None, name=None):
         if isinstance(fn, type) or not callable(fn):
             what = f"the class {fn.__qualname__}" if isinstance(fn, type) else f"a {type(fn).__name__} ({fn!r:.60})"
             raise LeafFunctionError(
@@ -622,7 +724,13 @@ class LeafFunction:
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._fake = None
-        self._name = _function_name(fn)
+        if name is not None and (not isinstance(name, str) or name.count("::") != 1):
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{_function_name(fn)}' got name={name!r}; a leaf's name "
+                f"is a qualified operator name \"namespace::name\", e.g. \"mylib::gate\"."
+            )
+        self._qualified_name = name
+        self._name = name or _function_name(fn)
         try:
             self._signature = inspect.signature(fn)
         except (TypeError, ValueError):  # some builtins have none
@@ -653,6 +761,28 @@ class LeafFunction:
             self._name, _run_real, _run_fake, weakref.ref(self), validate_outputs, check_escaped_gradients
         )
         weakref.finalize(self, _C.release_python_leaf, self._id)
+        if name is not None:
+            _C.bind_named_operator(name, self._id, bool(self._mutates_args), _plan_for_call)
+            from ._registration import register_named_python_leaf
+
+            register_named_python_leaf(name, bool(self._mutates_args), _named_fake)
+            _NAMED[name] = self
+        self._vmap_rule = None  # set by register_vmap
+        _functorch.LEAVES[self._id] = self
+
+    def register_vmap(self, rule):
+        """Set the leaf's batching rule for ``torch.func.vmap``, with the
+        convention of ``torch.library.register_vmap``: ``rule(info, in_dims,
+        *args, **kwargs) -> (outputs, out_dims)``, where ``in_dims`` has one
+        entry per positional argument (the batch dimension of each tensor, or
+        None), ``info.batch_size`` is the batch size, and ``out_dims`` gives
+        each output's batch dimension (or one for all). Without a rule a
+        leaf runs once per sample and its outputs are stacked. The rule is
+        used where no gradient transform runs inside the vmap (``vmap(f)``,
+        ``grad(vmap(f))``); ``vmap(grad(f))`` runs the per-sample loop,
+        whose backward replays each sample's graph."""
+        _functorch.set_vmap_rule(self, rule)
+        return rule
 
     def register_fake(self, fake):
         """Set the fake implementation: same signature, returns outputs with the
@@ -813,7 +943,8 @@ class LeafFunction:
                 return _decode(desc, outputs)
             # Something records the call after all (a functorch transform):
             # describe it for a graph.
-        self._check_not_exporting()
+        if torch.compiler.is_exporting():
+            return self._exported_call(flat, spec)
         self._check_no_sharded_modules(flat)
         plan, inputs, mutated = self._plan_for(flat, spec, traced=True)
         outputs, desc = _C.call(self._id, plan.index, inputs, mutated, None)
@@ -833,20 +964,46 @@ class LeafFunction:
                             f"module.unshard() before calling the leaf."
                         )
 
-    def _check_not_exporting(self):
-        if torch.compiler.is_exporting():
+    def _exported_call(self, flat, spec):
+        """A call traced by torch.export (strict or not): the leaf's named
+        operator with the call's description."""
+        if self._qualified_name is None:
             raise LeafFunctionError(
-                f"torchleaf: Python leaf function '{self._name}' cannot be exported: an exported "
-                f"program must run in another process, and a Python function cannot be saved into "
-                f"it. Define the leaf in C++ (torchleaf::define_leaf), which exports as its named "
-                f"operator, or call it outside the exported module."
+                f"torchleaf: Python leaf function '{self._name}' cannot be exported without a name: "
+                f"an exported program must run in another process, which finds the leaf by its "
+                f"operator name. Give it one, @torchleaf.leaf_function(name=\"mylib::op\"), and "
+                f"import the module that defines it before torch.export.load; or define the leaf in "
+                f"C++ (torchleaf::define_leaf)."
             )
+        skeleton = []
+        for i, x in enumerate(flat):
+            if isinstance(x, _Tensor):
+                skeleton.append(_TENSOR)
+            elif isinstance(x, nn.Module):
+                raise LeafFunctionError(
+                    f"torchleaf: leaf function '{self._name}' got a {type(x).__name__} argument in an "
+                    f"exported call; an exported program cannot rebuild a module in another process. "
+                    f"Pass the tensors the leaf needs (e.g. module.weight) instead."
+                )
+            else:
+                skeleton.append(x)
+        call, plan_index, positions, mutated_positions = _describe_for_export(
+            self, pytree.tree_unflatten(skeleton, spec)
+        )
+        inputs = [flat[pos] for pos in positions]
+        op = getattr(getattr(torch.ops, self._qualified_name.split("::")[0]), self._qualified_name.split("::")[1])
+        if self._mutates_args:
+            outputs = op(inputs, [flat[pos] for pos in mutated_positions], call)
+        else:
+            outputs = op(inputs, call)
+        return _decode(_traced_output(self, plan_index), outputs, self._namedtuples)
 
     def _compiled_call(self, args, kwargs):
         # Traced by Dynamo: everything but the tensors (module tensors and
         # handles included) and carried ints is a graph constant.
-        self._check_not_exporting()
         flat, spec = pytree.tree_flatten((args, kwargs))
+        if torch.compiler.is_exporting():
+            return self._exported_call(flat, spec)
         skeleton = []
         structures = []
         module_tensors = []
@@ -945,7 +1102,7 @@ class _BoundLeaf:
         return f"<bound leaf function {self.__func__._name} of {self.__self__!r}>"
 
 
-def leaf_function(fn=None, *, mutates_args=(), validate_outputs=None, check_escaped_gradients=None):
+def leaf_function(fn=None, *, mutates_args=(), validate_outputs=None, check_escaped_gradients=None, name=None):
     """Make ``fn`` a leaf function: opaque to torch.compile, make_fx, AOTAutograd
     and export; run for real on every call; differentiable without a
     hand-written backward.
@@ -958,6 +1115,10 @@ def leaf_function(fn=None, *, mutates_args=(), validate_outputs=None, check_esca
             in place (they must not require grad).
         validate_outputs, check_escaped_gradients: per-leaf overrides of the
             flags in :mod:`torchleaf.config`.
+        name: ``"namespace::name"``: the leaf is also the operator
+            ``torch.ops.namespace.name``, and ``torch.export`` records its
+            calls as that operator; a process that loads the exported program
+            must import the module that defines the leaf first.
     """
 
     def wrap(f):
@@ -966,6 +1127,7 @@ def leaf_function(fn=None, *, mutates_args=(), validate_outputs=None, check_esca
             mutates_args=mutates_args,
             validate_outputs=validate_outputs,
             check_escaped_gradients=check_escaped_gradients,
+            name=name,
         )
 
     return wrap if fn is None else wrap(fn)

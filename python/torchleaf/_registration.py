@@ -7,7 +7,7 @@ import torch
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 from torch.fx.node import has_side_effect
 
-from . import _C
+from . import _C, _functorch
 from ._errors import LeafFunctionError
 
 # c10::ScalarType code -> torch.dtype, for decoding backward's input metadata.
@@ -103,6 +103,9 @@ def _register_ops():
         torch.ops.torchleaf.forward_mutating,
     ):
         has_side_effect(op.default)
+    # Batching rules (torch.func.vmap): a per-sample loop, or a Python leaf's
+    # own rule (LeafFunction.register_vmap).
+    _functorch.register_rules()
     sync_cpp_leaves()
 
 
@@ -118,6 +121,20 @@ def sync_cpp_leaves():
             return _C.run_fake(_id, 0, list(inputs), list(mutated))
 
         torch.library.register_fake(name, fake)
+        _functorch.register_named_rule(name, bool(mutable))
         if not mutable:
             namespace, opname = name.split("::")
             _register_effectful_op(getattr(getattr(torch.ops, namespace), opname).default, _EffectType.ORDERED)
+
+
+def register_named_python_leaf(name, mutating, fake):
+    """Register the fake (and, for non-mutating leaves, the ordered effect)
+    of a named Python leaf's operator, once per name: the operator outlives
+    its leaf, and a leaf defined again under the same name binds to it."""
+    if name in _registered_named:
+        return
+    _registered_named.add(name)
+    torch.library.register_fake(name, fake)
+    if not mutating:
+        namespace, opname = name.split("::")
+        _register_effectful_op(getattr(getattr(torch.ops, namespace), opname).default, _EffectType.ORDERED)

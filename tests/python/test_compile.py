@@ -350,17 +350,6 @@ def test_export_cpp_leaf_saves_loads_and_runs(cpp_leaves, tmp_path):
         torch.testing.assert_close(loaded.module()(*inp), net(*inp))
 
 
-def test_export_python_leaf_is_a_clear_error():
-    scaled = make_scaled(Counter(), {"k": 2.0})
-
-    class Net(nn.Module):
-        def forward(self, x):
-            return scaled(x)
-
-    with pytest.raises(LeafFunctionError, match=r"leaf function '[\w.<>]*\.scaled' cannot be exported"):
-        torch.export.export(Net(), (torch.randn(3),))
-
-
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_cpp_leaf_declared_mutation_under_compilation(cpp_leaves, backend):
     ops, _ = cpp_leaves

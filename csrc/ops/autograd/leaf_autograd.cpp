@@ -11,6 +11,7 @@
 // costs what the function's own backward costs, with no replay.
 
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/stack.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -34,6 +35,83 @@ using torch::autograd::variable_list;
 
 namespace {
 
+// A tensor that a torch.func transform wraps (grad or vmap).
+bool is_functorch_wrapped(const at::Tensor& t) {
+  constexpr auto keys = c10::DispatchKeySet(
+      {c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::FuncTorchBatched});
+  return t.defined() && t.key_set().has_any(keys);
+}
+
+// What a second derivative through a leaf reaches under torch.func: the
+// captured graph is replayed by torchleaf::backward, which has no derivative.
+constexpr const char* kTwiceDifferentiated =
+    ", but a second derivative through a leaf function is not supported under "
+    "torch.func transforms (grad of grad, hessian, jacrev of jacrev, a "
+    "torch.func gradient inside a computation that autograd also "
+    "differentiates): the leaf's backward replays its captured graph, which "
+    "has no derivative of its own. Differentiate once (detach the inputs of "
+    "the inner transform, or run it under torch.no_grad()), use the "
+    "undecorated function, or, in eager mode, torch.autograd.grad(..., "
+    "create_graph=True), which supports double backward through plain calls.";
+
+// Put behind outputs that autograd must never differentiate: backward
+// through them raises `message` (naming the leaf), where autograd's
+// fallback would warn and drop the gradient.
+struct LeafRefusedBackward final : public Node {
+  LeafRefusedBackward(LeafEntryPtr entry, std::string message)
+      : entry_(std::move(entry)), message_(std::move(message)) {}
+
+  variable_list apply(variable_list&& /*grads*/) override {
+    TORCHLEAF_CHECK(false, entry_->name, message_);
+    return {};
+  }
+
+  std::string name() const override {
+    return entry_->name + "RefusedBackward";
+  }
+
+ private:
+  LeafEntryPtr entry_;
+  std::string message_;
+};
+
+// Makes backward through `outputs` raise `message`: their history becomes
+// a LeafRefusedBackward node whose next edges are those of `inputs` plus
+// `extra` (so that the engine runs it on the way to them).
+torch::autograd::Edge refuse_backward_through(
+    LeafEntryPtr entry,
+    std::string message,
+    const variable_list& inputs,
+    TensorList& outputs,
+    const torch::autograd::Edge& extra = {}) {
+  auto node = c10::make_intrusive<LeafRefusedBackward>(std::move(entry), std::move(message));
+  auto edges = torch::autograd::collect_next_edges(inputs);
+  if (extra.is_valid()) {
+    edges.push_back(extra);
+  }
+  node->set_next_edges(std::move(edges));
+  for (auto& t : outputs) {
+    if (!t.defined() || !torch::autograd::isDifferentiableType(t.scalar_type())) {
+      continue;
+    }
+    for (const auto& in : inputs) {
+      if (t.is_same(in)) { // never rewrite the history of an input
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        t = t.clone();
+      }
+    }
+    torch::autograd::set_history(t, node);
+  }
+  return torch::autograd::Edge(std::move(node), 0);
+}
+
+// Whether a torch.func transform is running (its dynamic layer keys are
+// included while any of its levels is active, also below the last one).
+bool functorch_active() {
+  return c10::impl::tls_local_dispatch_key_set().included_.has(
+      c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
+}
+
 struct LeafBackward final : public Node {
   LeafBackward(
       LeafEntryPtr entry,
@@ -52,8 +130,12 @@ struct LeafBackward final : public Node {
         "cannot run backward: its autograd state was already released by an "
         "earlier backward. Pass retain_graph=True to the first backward to "
         "backpropagate through the same call twice.");
+    // Under torch.func's grad transforms (create_graph is always on there)
+    // the handle is wrapped; a second derivative is refused by the Autograd
+    // kernels of forward and backward instead.
     TORCHLEAF_CHECK(
-        !(at::GradMode::is_enabled() && is_concrete_handle(state_)),
+        !(at::GradMode::is_enabled() && !is_functorch_wrapped(state_) &&
+          is_concrete_handle(state_)),
         entry_->name,
         "was recorded by a tracer and cannot be differentiated twice "
         "(create_graph=True); double backward is supported in eager mode.");
@@ -64,7 +146,12 @@ struct LeafBackward final : public Node {
                               : std::nullopt);
     }
     TensorList input_grads;
-    {
+    if (is_functorch_wrapped(state_)) {
+      // Through the transforms' levels to the lowest, whose Autograd kernel
+      // of backward links the gradients to a forward that plain autograd
+      // recorded around the transform (CapturedState::refused_outer).
+      input_grads = ops::backward(entry_->id, state_, g, input_meta_);
+    } else {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       input_grads = ops::backward(entry_->id, state_, g, input_meta_);
     }
@@ -113,6 +200,144 @@ TensorList call_mutating_autograd_kernel(
 
 TensorList call_autograd_kernel(int64_t leaf, int64_t plan, at::TensorList inputs) {
   return call_mutating_autograd_kernel(leaf, plan, inputs, {});
+}
+
+// Autograd kernel of forward and its variants. The leaf's own Autograd
+// kernel (call_autograd) calls forward below Autograd; inputs that require
+// grad here come from
+//  * a torch.func grad transform, which re-enables Autograd for the level
+//    below its own: that level records the call too, a second derivative.
+//    While a transform is active below this level, refused here; at the
+//    lowest level (plain autograd around the transform) this call cannot be
+//    told from the next case, so backward through it is refused instead,
+//    also through the gradients (CapturedState::refused_outer);
+//  * a graph that calls forward directly (make_fx's joint graphs, run
+//    eagerly), whose gradient is the graph's own torchleaf::backward.
+void forward_autograd_kernel(
+    const c10::OperatorHandle& op,
+    c10::DispatchKeySet keys,
+    torch::jit::Stack* stack) {
+  const auto n_args = op.schema().arguments().size();
+  const auto args = torch::jit::last(*stack, n_args);
+  const auto entry = get_leaf(args[0].toInt());
+  variable_list tensors;
+  for (const auto& arg : args) {
+    if (arg.isTensorList()) {
+      auto list = arg.toTensorVector();
+      tensors.insert(tensors.end(), list.begin(), list.end());
+    }
+  }
+  // A jvp outside a gradient transform (hessian, jacfwd of jacrev): the
+  // tangents are on this level's inputs.
+  check_no_forward_tangents(*entry, tensors, {});
+  variable_list tracked;
+  if (at::GradMode::is_enabled()) {
+    for (const auto& t : tensors) {
+      if (t.defined() && t.requires_grad()) {
+        tracked.push_back(t);
+      }
+    }
+  }
+  TORCHLEAF_CHECK(
+      tracked.empty() || !functorch_active(),
+      entry->name,
+      "is called with inputs that require grad at an outer level of "
+      "differentiation",
+      kTwiceDifferentiated);
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  if (tracked.empty()) {
+    return;
+  }
+  const auto n_returns = op.schema().returns().size();
+  TensorList outputs;
+  at::Tensor handle;
+  for (const auto& ret : torch::jit::last(*stack, n_returns)) {
+    if (ret.isTensorList()) {
+      auto list = ret.toTensorVector();
+      outputs.insert(outputs.end(), list.begin(), list.end());
+    } else if (ret.isTensor() && !handle.defined()) {
+      handle = ret.toTensor();
+    }
+  }
+  auto refused = refuse_backward_through(
+      entry,
+      c10::str(
+          "cannot be differentiated through the outputs of ",
+          op.schema().name(),
+          ": either a torch.func transform recorded the call and autograd "
+          "around the transform differentiates it again",
+          kTwiceDifferentiated,
+          " Otherwise a graph calls ",
+          op.schema().name(),
+          " directly: its gradient is that graph's own torchleaf::backward; "
+          "call the leaf function itself to differentiate it."),
+      tracked,
+      outputs);
+  if (is_concrete_handle(handle)) {
+    lookup_state(handle, *entry)->refused_outer = std::move(refused);
+  }
+  // set_history may have replaced an output (a clone of an input).
+  size_t k = 0;
+  for (auto& ret : torch::jit::last(*stack, n_returns)) {
+    if (ret.isTensorList()) {
+      auto list = ret.toTensorList();
+      for (size_t i = 0; i < list.size(); ++i) {
+        list.set(i, outputs[k++]);
+      }
+    }
+  }
+}
+
+// Autograd kernel of backward, reached the same way. A gradient that
+// requires grad at this level (torch.func's grad always builds the graph of
+// its gradients), or the state of a forward whose inputs required grad at
+// this level, gets a node that refuses a second derivative if one is ever
+// asked for.
+TensorList backward_autograd_kernel(
+    int64_t leaf,
+    const at::Tensor& state,
+    const c10::List<std::optional<at::Tensor>>& grads,
+    c10::SymIntArrayRef input_meta) {
+  auto entry = get_leaf(leaf);
+  TensorList defined;
+  for (const auto& g : grads) {
+    const std::optional<at::Tensor> grad = g;
+    if (grad && grad->defined()) {
+      defined.push_back(*grad);
+    }
+  }
+  // A jvp of a vjp (jacfwd of jacrev): the tangents are on the gradients.
+  check_no_forward_tangents(*entry, defined, {});
+  TensorList out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    out = ops::backward(leaf, state, grads, input_meta);
+  }
+  if (!at::GradMode::is_enabled()) {
+    return out;
+  }
+  variable_list tracked;
+  for (const auto& g : defined) {
+    if (g.requires_grad()) {
+      tracked.push_back(g);
+    }
+  }
+  torch::autograd::Edge outer;
+  if (!is_functorch_wrapped(state) && is_concrete_handle(state)) {
+    outer = lookup_state(state, *entry)->refused_outer;
+  }
+  if (!tracked.empty() || outer.is_valid()) {
+    refuse_backward_through(
+        std::move(entry),
+        c10::str("computed a gradient that is being differentiated again", kTwiceDifferentiated),
+        tracked,
+        out,
+        outer);
+  }
+  return out;
 }
 
 } // namespace
@@ -253,6 +478,10 @@ TensorList call_eager(
 TORCH_LIBRARY_IMPL(torchleaf, Autograd, m) {
   m.impl("call", &call_autograd_kernel);
   m.impl("call_mutating", &call_mutating_autograd_kernel);
+  for (const char* name : {"forward", "forward_mutating", "forward_functional"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&forward_autograd_kernel>());
+  }
+  m.impl("backward", &backward_autograd_kernel);
 }
 
 } // namespace torchleaf::ops
