@@ -428,8 +428,24 @@ TensorList run_real(
     *state_out = std::move(state);
   }
   if (caller_edges == nullptr) { // attach_to_caller decides for eager calls
+    // Without capture no input requires grad, so an output that does was
+    // computed from a tensor the function reached otherwise (a closure, a
+    // global): its gradient would be dropped, which the escaped-gradients
+    // check reports as it does when inputs require grad.
+    const bool report_escaped = !capture && entry.check_escaped_gradients();
     for (auto& out : outputs) {
       if (out.requires_grad()) {
+        // (A leaf tensor made inside the function has no history to lose.)
+        TORCHLEAF_CHECK(
+            !report_escaped || out.grad_fn() == nullptr,
+            entry.name,
+            "returned an output that requires grad although none of its "
+            "inputs does: it was computed from a tensor the function reached "
+            "through a closure or a global, whose gradient would be lost. "
+            "Pass that tensor (or its module) as an argument, call under "
+            "torch.no_grad() if no gradient is wanted, or set "
+            "torchleaf.config.check_escaped_gradients = False (C++: "
+            "LeafOptions::check_escaped) to drop its gradient knowingly.");
         out = out.detach();
       }
       // A graph owns its operators' outputs: Inductor reuses a dead output's

@@ -371,6 +371,32 @@ def test_escaped_gradients_are_counted_or_ignored():
         uses_graph(x)
 
 
+def test_closure_gradients_without_differentiable_inputs_are_an_error():
+    """No input requires grad, but the function computes from a closure tensor
+    that does: its gradient would be dropped, so the check reports it."""
+    w = torch.randn(3, requires_grad=True)
+
+    @torchleaf.leaf_function
+    def scales(x):
+        return x * w
+
+    x = torch.randn(3)
+    with pytest.raises(LeafFunctionError, match=r"scales' returned an output that requires grad although none of its inputs does"):
+        scales(x)
+    with torch.no_grad():  # no gradient wanted: fine
+        torch.testing.assert_close(scales(x), x * w)
+    with torchleaf.config.patch(check_escaped_gradients=False):  # dropped knowingly
+        out = scales(x)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, (x * w).detach())
+
+    @torchleaf.leaf_function
+    def makes_a_parameter(x):  # a fresh leaf tensor has no history to lose
+        return torch.zeros_like(x).requires_grad_()
+
+    assert not makes_a_parameter(x).requires_grad
+
+
 def test_compiled_backward_paths_agree():
     """Traced backward replays small CPU graphs inline and everything else
     with the autograd engine (restricted backward, anomaly mode, hooks);
