@@ -97,3 +97,55 @@ def test_dynamo_tells_a_higher_order_operator_body_from_the_top_level():
     f = torch.compile(lambda x: checkpoint(body, x, use_reentrant=False) + record(), backend="eager", fullgraph=True)
     f(torch.ones(2, requires_grad=True))
     assert True in seen and False in seen
+
+
+def test_functorch_wrapping_helpers_round_trip():
+    # torchleaf._functorch stacks per-sample state handles that lower vmap
+    # and grad levels wrap, with these helpers.
+    from torch._C import _functorch as F
+
+    seen = {}
+
+    def probe(x):
+        level = F.maybe_get_level(x)
+        seen["level"] = level
+        seen["batched"] = F.is_batchedtensor(x)
+        plain, bdim = F._unwrap_batched(x, level)
+        seen["plain"] = (plain.shape, bdim)
+        rewrapped = F._add_batch_dim(plain, bdim, level)
+        return rewrapped * 1
+
+    x = torch.arange(6.0).view(2, 3)
+    torch.testing.assert_close(torch.func.vmap(probe)(x), x)
+    assert seen["batched"] and seen["level"] >= 1 and seen["plain"] == (torch.Size([2, 3]), 0)
+    assert F.maybe_get_level(x) == -1
+
+    def grad_probe(y):
+        level = F.maybe_get_level(y)
+        assert F.is_gradtrackingtensor(y)
+        inner = F._unwrap_for_grad(y, level)
+        assert F.maybe_get_level(inner) == -1
+        return (F._wrap_for_grad(inner, level) * 0 + y).sum() * 2
+
+    torch.testing.assert_close(torch.func.grad(grad_probe)(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def test_pytree_broadcast_to_and_flatten():
+    # A leaf's own vmap rule may give one out_dim for all outputs.
+    from torch.utils._pytree import _broadcast_to_and_flatten, tree_structure
+
+    spec = tree_structure((1, [2, 3]))
+    assert _broadcast_to_and_flatten(0, spec) == [0, 0, 0]
+    assert _broadcast_to_and_flatten((0, [None, 1]), spec) == [0, None, 1]
+    assert _broadcast_to_and_flatten((0, 1), spec) == [0, 1, 1]
+    assert _broadcast_to_and_flatten((0, 1, 2), spec) is None  # structure mismatch
+
+
+def test_treespec_json_round_trips():
+    # Exported named Python leaves carry their call structure this way.
+    from torch.utils._pytree import tree_structure, treespec_dumps, treespec_loads
+
+    spec = tree_structure(((0, [1, 2]), {"scale": 3, "mode": 4}))
+    text = treespec_dumps(spec)
+    assert isinstance(text, str)
+    assert treespec_loads(text) == spec
