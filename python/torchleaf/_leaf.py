@@ -730,6 +730,7 @@ class LeafFunction:
                 f"is a qualified operator name \"namespace::name\", e.g. \"mylib::gate\"."
             )
         self._qualified_name = name
+        self._named_op = None  # its OpOverloadPacket, for exported calls
         self._name = name or _function_name(fn)
         try:
             self._signature = inspect.signature(fn)
@@ -765,7 +766,7 @@ class LeafFunction:
             _C.bind_named_operator(name, self._id, bool(self._mutates_args), _plan_for_call)
             from ._registration import register_named_python_leaf
 
-            register_named_python_leaf(name, bool(self._mutates_args), _named_fake)
+            self._named_op = register_named_python_leaf(name, bool(self._mutates_args), _named_fake)
             _NAMED[name] = self
         self._vmap_rule = None  # set by register_vmap
         _functorch.LEAVES[self._id] = self
@@ -991,11 +992,10 @@ class LeafFunction:
             self, pytree.tree_unflatten(skeleton, spec)
         )
         inputs = [flat[pos] for pos in positions]
-        op = getattr(getattr(torch.ops, self._qualified_name.split("::")[0]), self._qualified_name.split("::")[1])
         if self._mutates_args:
-            outputs = op(inputs, [flat[pos] for pos in mutated_positions], call)
+            outputs = self._named_op(inputs, [flat[pos] for pos in mutated_positions], call)
         else:
-            outputs = op(inputs, call)
+            outputs = self._named_op(inputs, call)
         return _decode(_traced_output(self, plan_index), outputs, self._namedtuples)
 
     def _compiled_call(self, args, kwargs):

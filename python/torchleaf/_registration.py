@@ -109,32 +109,40 @@ def _register_ops():
     sync_cpp_leaves()
 
 
+def named_op(name):
+    """The OpOverloadPacket of the operator "ns::op"."""
+    namespace, opname = name.split("::")
+    return getattr(getattr(torch.ops, namespace), opname)
+
+
+def _register_named(name, fake, mutating):
+    """Register a named leaf operator's fake and, unless it declares
+    mutation (which orders it already), its ordered effect; once per name.
+    Returns whether this call registered them."""
+    if name in _registered_named:
+        return False
+    _registered_named.add(name)
+    torch.library.register_fake(name, fake)
+    if not mutating:
+        _register_effectful_op(named_op(name).default, _EffectType.ORDERED)
+    return True
+
+
 def sync_cpp_leaves():
     """Register fakes and effects for C++ leaves defined since the last sync
     (call after loading a library that defines leaves)."""
     for leaf_id, name, mutable in _C.named_leaves():
-        if name in _registered_named:
-            continue
-        _registered_named.add(name)
 
         def fake(inputs, mutated=(), _id=leaf_id):
             return _C.run_fake(_id, 0, list(inputs), list(mutated))
 
-        torch.library.register_fake(name, fake)
-        _functorch.register_named_rule(name, bool(mutable))
-        if not mutable:
-            namespace, opname = name.split("::")
-            _register_effectful_op(getattr(getattr(torch.ops, namespace), opname).default, _EffectType.ORDERED)
+        if _register_named(name, fake, bool(mutable)):
+            _functorch.register_named_rule(name, bool(mutable))
 
 
 def register_named_python_leaf(name, mutating, fake):
-    """Register the fake (and, for non-mutating leaves, the ordered effect)
-    of a named Python leaf's operator, once per name: the operator outlives
-    its leaf, and a leaf defined again under the same name binds to it."""
-    if name in _registered_named:
-        return
-    _registered_named.add(name)
-    torch.library.register_fake(name, fake)
-    if not mutating:
-        namespace, opname = name.split("::")
-        _register_effectful_op(getattr(getattr(torch.ops, namespace), opname).default, _EffectType.ORDERED)
+    """Register the fake and effect of a named Python leaf's operator, once
+    per name (the operator outlives its leaf, and a leaf defined again under
+    the same name binds to it); returns its OpOverloadPacket."""
+    _register_named(name, fake, mutating)
+    return named_op(name)
