@@ -84,6 +84,11 @@ TensorList unpack_tensors(const py::handle& result, const std::string& leaf, con
   out.reserve(n);
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = PyList_GET_ITEM(result.ptr(), i);
+    if (item == Py_None && i == n - 1) {
+      // A compiled call's new order token (see _leaf._run_real).
+      out.push_back(at::empty({0}, at::TensorOptions().dtype(at::kLong)));
+      continue;
+    }
     if (!THPVariable_Check(item)) {
       detail::throw_leaf_error(
           leaf,

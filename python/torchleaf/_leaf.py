@@ -517,7 +517,9 @@ def _run_real(leaf_ref, plan_index, tensors, arguments):
         raise
     flat, desc = _flatten_output(leaf, out)
     if plan.ordered:
-        flat = flat + [_new_order_token()]
+        # The core appends a new order token in place of the None (cheaper
+        # in C++ than torch.empty here, on every compiled call).
+        flat = flat + [None]
     if arguments is None:
         # Called through the operator (a graph, or a dispatch mode that runs
         # real kernels): the caller rebuilds outputs from the plan's
@@ -572,6 +574,17 @@ def _intern_for_compile(leaf, skeleton, structures):
     key = tuple((_MODULE_KEY, next(structures)) if x is _MODULE else x for x in flat)
     plan = leaf._plan_from_key(spec, key, _COMPILED)
     return plan.index, plan.slots, plan.mutated
+
+
+@torch._dynamo.assume_constant_result
+def _intern_positional_for_compile(leaf, n):
+    """_intern_for_compile for ``leaf(t1, ..., tn)`` with tensors only:
+    (leaf id, plan index), both graph constants. Tracing no pytree call and
+    reading no leaf attribute keeps the compiled frame's guards to the
+    tensors' own (pytree's Python code would add guards that run in Python
+    on every call)."""
+    plan = leaf._plan_from_key(pytree.tree_structure((tuple(range(n)), {})), (_TENSOR,) * n, _COMPILED)
+    return leaf._id, plan.index
 
 
 @torch._dynamo.assume_constant_result
@@ -998,9 +1011,23 @@ class LeafFunction:
             outputs = self._named_op(inputs, call)
         return _decode(_traced_output(self, plan_index), outputs, self._namedtuples)
 
+    def _compiled_positional_call(self, args):
+        leaf_id, plan_index = _intern_positional_for_compile(self, len(args))
+        global _ORDER_TOKEN  # see _compiled_call
+        outputs = torch.ops.torchleaf.call(leaf_id, plan_index, [*args, _ORDER_TOKEN])
+        if not _tracing_a_subgraph():
+            _ORDER_TOKEN = outputs[-1]
+        return _decode(_traced_output(self, plan_index), outputs[:-1], self._namedtuples)
+
     def _compiled_call(self, args, kwargs):
         # Traced by Dynamo: everything but the tensors (module tensors and
         # handles included) and carried ints is a graph constant.
+        if not kwargs and not self._mutates_args and not torch.compiler.is_exporting():
+            for a in args:
+                if not isinstance(a, _Tensor):
+                    break
+            else:
+                return self._compiled_positional_call(args)
         flat, spec = pytree.tree_flatten((args, kwargs))
         if torch.compiler.is_exporting():
             return self._exported_call(flat, spec)
