@@ -139,6 +139,30 @@ def wrong_gradient_count():
     raise error
 
 
+def opaque_pytree_context():
+    # A pytree node whose context is an arbitrary object cannot be a graph constant.
+    class Box:
+        def __init__(self, x, meta):
+            self.x, self.meta = x, meta
+
+    torch.utils._pytree.register_pytree_node(Box, lambda b: ([b.x], b.meta), lambda xs, meta: Box(xs[0], meta))
+    try:
+        leaf = leaf_with_fake(lambda box: box.x * 2, lambda box: torch.empty_like(box.x))
+        torch.compile(lambda b: leaf(b), backend="eager", fullgraph=True)(Box(torch.ones(2), object()))
+    finally:
+        torch.utils._pytree._deregister_pytree_node(Box)
+
+
+def read_and_mutated():
+    def bump(x, buf):
+        buf.add_(1)
+        return x * 2
+
+    leaf = torchleaf.leaf_function(mutates_args={"buf"})(bump)
+    t = torch.zeros(2)
+    leaf(t, t)
+
+
 CASES = [
     (no_fake, LeafFunctionError, r"requires a fake implementation.*register_fake"),
     (fake_structure, LeafFunctionError, r"different output structure than its fake implementation"),
@@ -154,12 +178,17 @@ CASES = [
     (module_parameter_replaced, LeafFunctionError, r"replaced 'weight' of its Linear argument"),
     (released_state, LeafFunctionError, r"cannot run backward: its autograd state was already released by an earlier backward\. Pass retain_graph=True"),
     (wrong_gradient_count, LeafFunctionError, r"backward received 1 gradient\(s\) for 2 output\(s\)"),
+    (opaque_pytree_context, LeafFunctionError, r"got a Box in positional argument 0 under torch.compile, a pytree node whose context .* is not made of plain constants"),
+    (read_and_mutated, LeafFunctionError, r"got the same tensor \(or views of one tensor\) as argument 'x', which it reads, and as argument 'buf', which it mutates in place \(mutates_args\)\. Pass a clone"),
 ]
 
 
 # Errors raised while Dynamo runs a fake reach the user wrapped by Dynamo;
 # torchleaf's error is at the root of the wrapper's __cause__ chain.
-DYNAMO_WRAPPED = {fake_returns_array: torch._dynamo.exc.TorchRuntimeError}
+DYNAMO_WRAPPED = {
+    fake_returns_array: torch._dynamo.exc.TorchRuntimeError,
+    opaque_pytree_context: torch._dynamo.exc.InternalTorchDynamoError,
+}
 
 
 @pytest.mark.parametrize("case,error,pattern", CASES, ids=[c[0].__name__ for c in CASES])
