@@ -358,3 +358,47 @@ def test_a_tensor_read_and_declared_mutable_is_a_clear_error(backend):
     x = t.clone()
     torch.testing.assert_close(run(x, t), _read_and_bump(x, torch.zeros(4)))
     torch.testing.assert_close(t, torch.ones(4))
+
+
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+@pytest.mark.parametrize("body", ["identity", "view", "select"])
+def test_outputs_are_never_aliases_of_inputs(backend, body):
+    # The rule (as for torch.library.custom_op, where aliasing is an error):
+    # an output that would alias an input is a copy, eager and compiled alike,
+    # so changing it in place leaves the input as it was.
+    torch._dynamo.reset()
+    fn = {"identity": lambda x: x, "view": lambda x: x.view(-1), "select": lambda x: x[0]}[body]
+    leaf = _leaf(fn, lambda x: torch.empty_like(fn(x)))
+    run = leaf if backend is None else torch.compile(lambda x: leaf(x), backend=backend, fullgraph=True)
+    x = torch.randn(2, 3, requires_grad=True)
+    out = run(x)
+    torch.testing.assert_close(out, fn(x))
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], torch.autograd.grad(fn(x).sum(), x)[0])
+    before = x.detach().clone()
+    with torch.no_grad():
+        out.add_(1)
+    torch.testing.assert_close(x.detach(), before)
+    assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+def test_outputs_that_do_not_depend_on_the_inputs(backend):
+    # Eagerly such an output does not require grad, as with the plain function;
+    # a compiled graph (AOTAutograd, as for custom_op) marks every float output
+    # of the call differentiable, and its gradient to the inputs is zero.
+    torch._dynamo.reset()
+
+    def with_constant(x):
+        return x * 2, torch.ones(3)
+
+    leaf = _leaf(with_constant, lambda x: (torch.empty_like(x), torch.empty(3)))
+    run = leaf if backend is None else torch.compile(lambda x: leaf(x), backend=backend, fullgraph=True)
+    x = torch.randn(3, requires_grad=True)
+    doubled, ones = run(x)
+    expected = with_constant(x)
+    torch.testing.assert_close((doubled, ones), expected)
+    assert ones.requires_grad == (backend is not None)
+    if backend is not None:
+        torch.testing.assert_close(torch.autograd.grad(ones.sum(), x, retain_graph=True)[0], torch.zeros(3))
+    got = torch.autograd.grad(doubled.sum() + ones.sum(), x)[0]
+    torch.testing.assert_close(got, torch.autograd.grad(expected[0].sum() + expected[1].sum(), x)[0])
