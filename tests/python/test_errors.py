@@ -1,6 +1,7 @@
 """The misuse table of docs/errors.md: each case raises a clear error that
 names the leaf and the fix, and the process stays usable afterwards."""
 
+import gc
 import re
 
 import pytest
@@ -248,4 +249,16 @@ def test_exceptions_in_fake_and_backward_keep_their_type():
     with pytest.raises(BackwardBroke, match="cannot differentiate"):
         fragile(x).sum().backward()
     assert torchleaf.live_states() == 0
+    # A compiled call's backward replays the captured graph in torchleaf's
+    # backward operator, which names the leaf. (Eagerly the function's own
+    # backward nodes run, with no torchleaf code between them.)
+    for backend in ("aot_eager", "inductor"):
+        compiled = torch.compile(lambda x: fragile(x), backend=backend, fullgraph=True)
+        with pytest.raises(BackwardBroke, match="cannot differentiate") as info:
+            compiled(x).sum().backward()
+        notes = info.value.__notes__
+        del info  # its traceback's frames hold the call's state
+        gc.collect()
+        assert any("raised inside the backward of leaf function 'test_errors." in n for n in notes), notes
+        assert torchleaf.live_states() == 0
     still_usable()
