@@ -596,7 +596,7 @@ _OPAQUE = "\x00torchleaf:opaque"  # stands for a node context Dynamo cannot pass
 
 def _plain(c):
     """Whether Dynamo can pass ``c`` as a constant (a pytree node's context)."""
-    if c is None or type(c) in (bool, int, float, str, bytes, type, torch.dtype, torch.device):
+    if c is None or type(c) in (bool, int, float, str, bytes, torch.dtype, torch.device) or isinstance(c, type):
         return True
     if type(c) in (tuple, list):
         return all(_plain(x) for x in c)
@@ -906,10 +906,13 @@ class LeafFunction:
         """The parameter whose value holds flat argument ``pos`` (error messages)."""
         marked = [object() for _ in range(spec.num_leaves)]
         args, kwargs = pytree.tree_unflatten(marked, spec)
-        if self._signature is not None:
-            for name, value in self._signature.bind(*args, **kwargs).arguments.items():
-                if any(x is marked[pos] for x in pytree.tree_leaves(value)):
-                    return repr(name)
+        try:
+            bound = self._signature.bind(*args, **kwargs).arguments
+        except (AttributeError, TypeError):  # no signature, or the call does not match it
+            bound = {}
+        for name, value in bound.items():
+            if any(x is marked[pos] for x in pytree.tree_leaves(value)):
+                return repr(name)
         return f"flat argument {pos}"
 
     def _plan_from_key(self, spec, key, mode):
