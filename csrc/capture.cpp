@@ -629,6 +629,12 @@ TensorList replay(
                       state.entry->name + "'");
       }
       throw;
+    } catch (const std::exception&) {
+      // A Python exception (an autograd.Function's backward): the bindings
+      // add the note that eager real functions get in Python.
+      detail::note_foreign_error("raised inside the backward of leaf function '" +
+                                 state.entry->name + "'");
+      throw;
     }
   }
   TensorList out(state.input_edges.size());

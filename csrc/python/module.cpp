@@ -38,6 +38,26 @@ struct PyLeafError : public torch::PyTorchError {
   throw PyLeafError(message);
 }
 
+// A Python exception thrown through the core (called inside its catch
+// block): add `note` to it, as _leaf._add_note does for real functions.
+void note_python_error(const std::string& note) {
+  try {
+    throw;
+  } catch (python_error& e) {
+    if (e.value == nullptr || !Py_IsInitialized()) {
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    PyErr_NormalizeException(&e.type, &e.value, &e.traceback);
+    try {
+      py::module_::import("torchleaf._leaf").attr("_add_note")(py::handle(e.value), note);
+    } catch (py::error_already_set&) {
+      // Leave the original exception as it is.
+    }
+  } catch (...) {
+  }
+}
+
 // ------------------------------------------------------------ Python leaves
 
 // Owns Python references; released with the GIL held, from whichever thread
@@ -229,6 +249,7 @@ PYBIND11_MODULE(_C, m) {
     Py_XDECREF(g_leaf_error_type);
     g_leaf_error_type = type.release().ptr();
     set_error_thrower(&throw_python_leaf_error);
+    set_foreign_error_noter(&note_python_error);
   }, "Make torchleaf errors raise `type` (a RuntimeError subclass).");
 
   m.def("define_python_leaf", &define_python_leaf,

@@ -25,7 +25,15 @@ class TORCHLEAF_API LeafError : public c10::Error {
 using ErrorThrower = void (*)(const std::string& message);
 TORCHLEAF_API void set_error_thrower(ErrorThrower thrower);
 
+// Called inside a catch block with a note naming the leaf, for exceptions
+// that are not c10::Errors (a Python exception raised in backward): the
+// Python bindings add the note to the Python exception, which keeps its type.
+using ForeignErrorNoter = void (*)(const std::string& note);
+TORCHLEAF_API void set_foreign_error_noter(ForeignErrorNoter noter);
+
 namespace detail {
+// Inside a catch block only; no-op without a noter.
+TORCHLEAF_API void note_foreign_error(const std::string& note);
 [[noreturn]] TORCHLEAF_API void throw_leaf_error(
     const std::string& leaf_name,
     const std::string& message);

@@ -563,13 +563,90 @@ def _run_fake(leaf_ref, plan_index, tensors, arguments, real_desc):
     return flat
 
 
+def _aliases(a, b):
+    """Whether two tensors are one tensor or views of one base (also under
+    Dynamo, which cannot compare storages but knows bases)."""
+    return a is b or a._base is b or b._base is a or (a._base is not None and a._base is b._base)
+
+
+def _check_read_and_mutated(leaf, flat, slots, mutated_positions, plan_index):
+    """A tensor passed both read-only and as a declared-mutable argument: the
+    read-only one would see the mutation eagerly (where the core reports it
+    as undeclared) but not in a compiled graph, which mutates a copy."""
+    for m in mutated_positions:
+        for kind, pos, _ in slots:
+            if kind == _IN_TENSOR and _aliases(flat[pos], flat[m]):
+                _refuse_read_and_mutated(leaf, plan_index, pos, m)
+
+
+@torch._dynamo.assume_constant_result  # raises at trace time
+def _refuse_read_and_mutated(leaf, plan_index, read, mutated):
+    spec = leaf._plans[plan_index].spec
+    read, mutated = leaf._argument_at(spec, read), leaf._argument_at(spec, mutated)
+    raise LeafFunctionError(
+        f"torchleaf: leaf function '{leaf._name}' got the same tensor (or views of one tensor) as "
+        f"argument {read}, which it reads, and as argument {mutated}, which it mutates in place "
+        f"(mutates_args). Pass a clone as the read-only argument (x.clone()), or pass the "
+        f"tensor only once."
+    )
+
+
 # ---------------------------------------------------------------- compilation
+_NODE = "\x00torchleaf:node"  # tags a pytree node in a compiled call's skeleton
+_OPAQUE = "\x00torchleaf:opaque"  # stands for a node context Dynamo cannot pass
+
+
+def _plain(c):
+    """Whether Dynamo can pass ``c`` as a constant (a pytree node's context)."""
+    if c is None or type(c) in (bool, int, float, str, bytes, torch.dtype, torch.device) or isinstance(c, type):
+        return True
+    if type(c) in (tuple, list):
+        return all(_plain(x) for x in c)
+    return False
+
+
+def _nest(spec, leaves):
+    """Traced by Dynamo: the call's structure as nested tuples of builtins,
+    (_NODE, node type, context, children) per pytree node, ``leaves`` at the
+    leaves. Dynamo cannot pass a TreeSpec, nor a user object (a registered
+    dataclass) rebuilt around markers, to an assume_constant_result function."""
+    if spec.is_leaf():
+        return next(leaves)
+    context = spec.context
+    if spec.type not in (tuple, list, dict) and not _plain(context):
+        context = _OPAQUE  # _intern_for_compile explains
+    return (_NODE, spec.type, context, tuple(_nest(c, leaves) for c in spec.children()))
+
+
+def _unnest(leaf, nested, flat, skeleton, path=()):
+    """The TreeSpec of a _nest result, appending its leaves to ``flat``."""
+    if type(nested) is not tuple or len(nested) != 4 or nested[0] is not _NODE:
+        flat.append(nested)
+        return pytree.treespec_leaf()
+    _, node_type, context, children = nested
+    if context is _OPAQUE:
+        # path: (0 for args or 1 for kwargs, index, ...) in the call's (args, kwargs)
+        which = f"positional argument {path[1]}" if path[0] == 0 else f"argument {skeleton[3][1][2][path[1]]!r}"
+        raise LeafFunctionError(
+            f"torchleaf: leaf function '{leaf._name}' got a {getattr(node_type, '__name__', node_type)} "
+            f"in {which} under torch.compile, a pytree node whose context (the second result of "
+            f"its flatten function) is not made of plain constants (None, bool, int, float, str, "
+            f"types, and tuples or lists of them), so a compiled graph cannot keep its structure. "
+            f"Register the type with a context of plain constants (pytree.register_dataclass "
+            f"does), or pass its tensors and constants as separate arguments."
+        )
+    return pytree.TreeSpec(
+        node_type, context, [_unnest(leaf, c, flat, skeleton, path + (i,)) for i, c in enumerate(children)]
+    )
+
+
 @torch._dynamo.assume_constant_result
 def _intern_for_compile(leaf, skeleton, structures):
     """Called by Dynamo at trace time only; its result is a graph constant.
-    ``skeleton``: the call's arguments with _TENSOR, _MODULE, _INT markers
-    (Dynamo cannot pass a TreeSpec); ``structures``: one per _MODULE."""
-    flat, spec = pytree.tree_flatten(skeleton)
+    ``skeleton``: the call's structure from _nest, with _TENSOR, _MODULE,
+    _INT markers at the leaves; ``structures``: one per _MODULE."""
+    flat = []
+    spec = _unnest(leaf, skeleton, flat, skeleton)
     structures = iter(structures)
     key = tuple((_MODULE_KEY, next(structures)) if x is _MODULE else x for x in flat)
     plan = leaf._plan_from_key(spec, key, _COMPILED)
@@ -838,6 +915,19 @@ class LeafFunction:
                 ids.update(id(x) for x in pytree.tree_leaves(bound.arguments[name]))
         return frozenset(i for i, m in enumerate(marked) if id(m) in ids)
 
+    def _argument_at(self, spec, pos):
+        """The parameter whose value holds flat argument ``pos`` (error messages)."""
+        marked = [object() for _ in range(spec.num_leaves)]
+        args, kwargs = pytree.tree_unflatten(marked, spec)
+        try:
+            bound = self._signature.bind(*args, **kwargs).arguments
+        except (AttributeError, TypeError):  # no signature, or the call does not match it
+            bound = {}
+        for name, value in bound.items():
+            if any(x is marked[pos] for x in pytree.tree_leaves(value)):
+                return repr(name)
+        return f"flat argument {pos}"
+
     def _plan_from_key(self, spec, key, mode):
         """The plan for a call key: per flat argument _TENSOR, a module
         structure tuple (tagged "module"), _INT/_NEGATIVE_INT, or the constant
@@ -925,6 +1015,8 @@ class LeafFunction:
                 _split_module_tensors(kind, structure, next(modules), inputs, mutable_buffers)
         if traced:
             inputs.extend(handles)
+        if plan.mutated:
+            _check_read_and_mutated(self, flat, plan.slots, plan.mutated, plan.index)
         return plan, inputs, [flat[pos] for pos in plan.mutated] + mutable_buffers
 
     # -- calls
@@ -1062,8 +1154,10 @@ class LeafFunction:
             else:
                 skeleton.append(x)
         plan_index, slots, mutated_positions = _intern_for_compile(
-            self, pytree.tree_unflatten(skeleton, spec), tuple(structures)
+            self, _nest(spec, iter(skeleton)), tuple(structures)
         )
+        if mutated_positions:
+            _check_read_and_mutated(self, flat, slots, mutated_positions, plan_index)
         inputs = []
         mutable_buffers = []
         module_index = 0

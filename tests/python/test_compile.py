@@ -443,3 +443,23 @@ def test_changing_int_arguments_stay_symbolic(backend):
         torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], torch.full((3,), float(n)))
     assert seen == values
     assert cnt.frame_count <= 2  # static first, then dynamic
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_double_backward_is_a_clear_error(backend):
+    # Double backward through a leaf is eager-only, as through any compiled
+    # AOTAutograd graph: PyTorch refuses the second backward clearly (its
+    # message cannot name the leaf: no torchleaf code runs there).
+    def wave(x):
+        return x.sin()
+
+    leaf = torchleaf.leaf_function(wave)
+    leaf.register_fake(torch.empty_like)
+    x = torch.randn(3, requires_grad=True)
+    (first,) = torch.autograd.grad(leaf(x).sum(), x, create_graph=True)  # eager: works
+    torch.testing.assert_close(torch.autograd.grad(first.sum(), x)[0], -x.sin())
+    compiled = torch.compile(lambda x: leaf(x), backend=backend, fullgraph=True)
+    (first,) = torch.autograd.grad(compiled(x).sum(), x, create_graph=True)
+    torch.testing.assert_close(first, x.cos())  # first derivatives are fine
+    with pytest.raises(RuntimeError, match="torch.compile with aot_autograd does not currently support double backward"):
+        first.sum().backward()

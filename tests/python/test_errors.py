@@ -1,6 +1,7 @@
 """The misuse table of docs/errors.md: each case raises a clear error that
 names the leaf and the fix, and the process stays usable afterwards."""
 
+import gc
 import re
 
 import pytest
@@ -139,6 +140,30 @@ def wrong_gradient_count():
     raise error
 
 
+def opaque_pytree_context():
+    # A pytree node whose context is an arbitrary object cannot be a graph constant.
+    class Box:
+        def __init__(self, x, meta):
+            self.x, self.meta = x, meta
+
+    torch.utils._pytree.register_pytree_node(Box, lambda b: ([b.x], b.meta), lambda xs, meta: Box(xs[0], meta))
+    try:
+        leaf = leaf_with_fake(lambda box: box.x * 2, lambda box: torch.empty_like(box.x))
+        torch.compile(lambda b: leaf(b), backend="eager", fullgraph=True)(Box(torch.ones(2), object()))
+    finally:
+        torch.utils._pytree._deregister_pytree_node(Box)
+
+
+def read_and_mutated():
+    def bump(x, buf):
+        buf.add_(1)
+        return x * 2
+
+    leaf = torchleaf.leaf_function(mutates_args={"buf"})(bump)
+    t = torch.zeros(2)
+    leaf(t, t)
+
+
 CASES = [
     (no_fake, LeafFunctionError, r"requires a fake implementation.*register_fake"),
     (fake_structure, LeafFunctionError, r"different output structure than its fake implementation"),
@@ -154,12 +179,17 @@ CASES = [
     (module_parameter_replaced, LeafFunctionError, r"replaced 'weight' of its Linear argument"),
     (released_state, LeafFunctionError, r"cannot run backward: its autograd state was already released by an earlier backward\. Pass retain_graph=True"),
     (wrong_gradient_count, LeafFunctionError, r"backward received 1 gradient\(s\) for 2 output\(s\)"),
+    (opaque_pytree_context, LeafFunctionError, r"got a Box in positional argument 0 under torch.compile, a pytree node whose context .* is not made of plain constants"),
+    (read_and_mutated, LeafFunctionError, r"got the same tensor \(or views of one tensor\) as argument 'x', which it reads, and as argument 'buf', which it mutates in place \(mutates_args\)\. Pass a clone"),
 ]
 
 
 # Errors raised while Dynamo runs a fake reach the user wrapped by Dynamo;
 # torchleaf's error is at the root of the wrapper's __cause__ chain.
-DYNAMO_WRAPPED = {fake_returns_array: torch._dynamo.exc.TorchRuntimeError}
+DYNAMO_WRAPPED = {
+    fake_returns_array: torch._dynamo.exc.TorchRuntimeError,
+    opaque_pytree_context: torch._dynamo.exc.InternalTorchDynamoError,
+}
 
 
 @pytest.mark.parametrize("case,error,pattern", CASES, ids=[c[0].__name__ for c in CASES])
@@ -219,4 +249,16 @@ def test_exceptions_in_fake_and_backward_keep_their_type():
     with pytest.raises(BackwardBroke, match="cannot differentiate"):
         fragile(x).sum().backward()
     assert torchleaf.live_states() == 0
+    # A compiled call's backward replays the captured graph in torchleaf's
+    # backward operator, which names the leaf. (Eagerly the function's own
+    # backward nodes run, with no torchleaf code between them.)
+    for backend in ("aot_eager", "inductor"):
+        compiled = torch.compile(lambda x: fragile(x), backend=backend, fullgraph=True)
+        with pytest.raises(BackwardBroke, match="cannot differentiate") as info:
+            compiled(x).sum().backward()
+        notes = info.value.__notes__
+        del info  # its traceback's frames hold the call's state
+        gc.collect()
+        assert any("raised inside the backward of leaf function 'test_errors." in n for n in notes), notes
+        assert torchleaf.live_states() == 0
     still_usable()

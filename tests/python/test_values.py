@@ -3,6 +3,7 @@ eager and compiled alike: each test compares against the undecorated
 function."""
 
 import collections
+import dataclasses
 import functools
 import io
 import pickle
@@ -292,3 +293,112 @@ def test_unbacked_output_size_with_gradients(backend):
     torch.testing.assert_close(compiled(x), positives(x).sum())
     got = torch.autograd.grad(compiled(x), x)[0]
     torch.testing.assert_close(got, torch.autograd.grad(positives(x).sum(), x)[0])
+
+
+@dataclasses.dataclass
+class _Cfg:
+    scale: float
+    x: torch.Tensor
+    shift: Pair = None
+
+
+torch.utils._pytree.register_dataclass(_Cfg)
+
+
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+def test_registered_dataclass_arguments(backend):
+    # Compiled calls pass the call's structure to Dynamo as builtins: a user
+    # object (the dataclass) cannot be a graph constant.
+    torch._dynamo.reset()
+
+    def scaled(cfg, y):
+        out = cfg.x * cfg.scale + y
+        return out if cfg.shift is None else out + cfg.shift.low * cfg.shift.high
+
+    leaf = _leaf(scaled, lambda cfg, y: torch.empty_like(cfg.x))
+    counter = CompileCounterWithBackend(backend or "eager")
+    run = leaf if backend is None else torch.compile(lambda c, y: leaf(c, y=y), backend=counter, fullgraph=True)
+    for step in range(4):
+        x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+        y = torch.randn(3, dtype=torch.float64, requires_grad=True)
+        shift = Pair(x, 0.5 * step) if step >= 2 else None  # a second structure, nested
+        cfg = _Cfg(scale=1.0 / (step + 1), x=x, shift=shift)  # a float that changes every step
+        got, expected = run(cfg, y), scaled(cfg, y)
+        torch.testing.assert_close(got, expected)
+        grads = torch.autograd.grad(got.sum(), [x, y])
+        for g, e in zip(grads, torch.autograd.grad(expected.sum(), [x, y])):
+            torch.testing.assert_close(g, e)
+    if backend is not None:
+        assert counter.frame_count <= 4  # per structure, at most once more to make the float dynamic
+
+
+def _read_and_bump(x, buf):
+    buf.add_(1)
+    return x * 2
+
+
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+def test_a_tensor_read_and_declared_mutable_is_a_clear_error(backend):
+    # Eagerly the read-only argument would see the mutation (the core reported
+    # it as undeclared), in a graph it would not (the mutation runs on a copy).
+    torch._dynamo.reset()
+    leaf = torchleaf.leaf_function(mutates_args={"buf"})(_read_and_bump)
+    leaf.register_fake(lambda x, buf: torch.empty_like(x))
+    run = leaf if backend is None else torch.compile(lambda x, b: leaf(x, b), backend=backend, fullgraph=True)
+    t = torch.zeros(4)
+    for x, buf in ((t, t), (t.view(2, 2), t), (t[1], t.view(2, 2))):
+        with pytest.raises(Exception, match=r"got the same tensor \(or views of one tensor\) as argument 'x', "
+                           r"which it reads, and as argument 'buf', which it mutates") as info:
+            run(x, buf)
+        cause = info.value
+        while not isinstance(cause, LeafFunctionError) and (cause.__cause__ or cause.__context__):
+            cause = cause.__cause__ or cause.__context__
+        assert isinstance(cause, LeafFunctionError)
+    assert (t == 0).all()  # refused before running
+    x = t.clone()
+    torch.testing.assert_close(run(x, t), _read_and_bump(x, torch.zeros(4)))
+    torch.testing.assert_close(t, torch.ones(4))
+
+
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+@pytest.mark.parametrize("body", ["identity", "view", "select"])
+def test_outputs_are_never_aliases_of_inputs(backend, body):
+    # The rule (as for torch.library.custom_op, where aliasing is an error):
+    # an output that would alias an input is a copy, eager and compiled alike,
+    # so changing it in place leaves the input as it was.
+    torch._dynamo.reset()
+    fn = {"identity": lambda x: x, "view": lambda x: x.view(-1), "select": lambda x: x[0]}[body]
+    leaf = _leaf(fn, lambda x: torch.empty_like(fn(x)))
+    run = leaf if backend is None else torch.compile(lambda x: leaf(x), backend=backend, fullgraph=True)
+    x = torch.randn(2, 3, requires_grad=True)
+    out = run(x)
+    torch.testing.assert_close(out, fn(x))
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], torch.autograd.grad(fn(x).sum(), x)[0])
+    before = x.detach().clone()
+    with torch.no_grad():
+        out.add_(1)
+    torch.testing.assert_close(x.detach(), before)
+    assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+def test_outputs_that_do_not_depend_on_the_inputs(backend):
+    # Eagerly such an output does not require grad, as with the plain function;
+    # a compiled graph (AOTAutograd, as for custom_op) marks every float output
+    # of the call differentiable, and its gradient to the inputs is zero.
+    torch._dynamo.reset()
+
+    def with_constant(x):
+        return x * 2, torch.ones(3)
+
+    leaf = _leaf(with_constant, lambda x: (torch.empty_like(x), torch.empty(3)))
+    run = leaf if backend is None else torch.compile(lambda x: leaf(x), backend=backend, fullgraph=True)
+    x = torch.randn(3, requires_grad=True)
+    doubled, ones = run(x)
+    expected = with_constant(x)
+    torch.testing.assert_close((doubled, ones), expected)
+    assert ones.requires_grad == (backend is not None)
+    if backend is not None:
+        torch.testing.assert_close(torch.autograd.grad(ones.sum(), x, retain_graph=True)[0], torch.zeros(3))
+    got = torch.autograd.grad(doubled.sum() + ones.sum(), x)[0]
+    torch.testing.assert_close(got, torch.autograd.grad(expected[0].sum() + expected[1].sum(), x)[0])
