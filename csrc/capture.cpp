@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/SequenceNumber.h>
+#include <ATen/ThreadLocalPythonObjects.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
@@ -756,6 +757,39 @@ std::optional<variable_list> replay_inline(
 #endif
 }
 
+// PyTorch's Python backward (torch.autograd.graph._engine_run_backward)
+// stashes a copy of the caller's contextvars.Context in this thread's
+// Python objects under "context", and every AOTAutograd compiled backward
+// runs its graph inside it (context.run), so that compiler settings are
+// visible on the engine's device threads. A replay that runs inside such a
+// compiled backward (the torchleaf::backward node of a compiled graph) and
+// reaches another compiled function's backward (the leaf's body called a
+// torch.compile'd function) would enter that same, already entered context:
+// "cannot enter context: ... is already entered". While a captured graph
+// replays, the stash is put aside: nested compiled backwards then run in the
+// context that is current (the one the enclosing backward entered), and the
+// stash is back once the replay ends, whatever happens.
+class PythonContextSetAside {
+ public:
+  PythonContextSetAside() {
+    if (at::impl::ThreadLocalPythonObjects::contains(kKey)) {
+      saved_ = at::impl::ThreadLocalPythonObjects::get(kKey);
+      at::impl::ThreadLocalPythonObjects::erase(kKey);
+    }
+  }
+  ~PythonContextSetAside() {
+    if (saved_) {
+      at::impl::ThreadLocalPythonObjects::set(kKey, std::move(saved_));
+    }
+  }
+  PythonContextSetAside(const PythonContextSetAside&) = delete;
+  PythonContextSetAside& operator=(const PythonContextSetAside&) = delete;
+
+ private:
+  static constexpr const char* kKey = "context";
+  std::shared_ptr<c10::SafePyObject> saved_;
+};
+
 } // namespace
 
 TensorList replay(
@@ -780,6 +814,17 @@ TensorList replay(
   }
   variable_list results;
   if (!roots.empty() && !state.input_edges.empty()) {
+    PythonContextSetAside context_set_aside;
+    // The engine frees what it runs exactly when the enclosing backward
+    // frees its own graph: with retain_graph=True (or no enclosing backward:
+    // a direct call of torchleaf::backward) the captured graph stays whole
+    // for the next replay; without it the outer graph, and so this state,
+    // cannot be replayed again. Nodes in the captured graph see the same
+    // keep_graph as the inline path shows them (the enclosing one):
+    // AOTAutograd's compiled backward with donated buffers (a torch.compile'd
+    // function called in the leaf's body) refuses to run under keep_graph.
+    const bool keep_graph = torch::autograd::get_current_graph_task_id() == -1 ||
+        torch::autograd::get_current_graph_task_keep_graph();
     try {
       auto inline_results = replay_inline(state, roots, root_grads);
       results = inline_results
@@ -787,7 +832,7 @@ TensorList replay(
           : torch::autograd::Engine::get_default_engine().execute(
                 roots,
                 root_grads,
-                /*keep_graph=*/true,
+                keep_graph,
                 /*create_graph=*/false,
                 /*accumulate_grad=*/false,
                 state.input_edges);

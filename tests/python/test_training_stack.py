@@ -80,3 +80,44 @@ def test_activation_checkpointing(backend):
             torch.testing.assert_close(g, e)
         assert len(calls) == 2  # forward, and the recomputation in backward
     assert torchleaf.live_states() == 0
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+@pytest.mark.parametrize("inner_backend", ["aot_eager", "inductor"])
+def test_body_calls_a_compiled_function(backend, inner_backend):
+    """Issue 12: a leaf whose body calls a torch.compile'd function, inside a
+    compiled program. The outer compiled backward runs inside the Python
+    context that PyTorch's backward stashed (context.run); replaying the
+    leaf's graph reached the inner compiled backward, which entered the same
+    context again: "cannot enter context: ... is already entered"."""
+    torch._dynamo.reset()
+    inner = torch.compile(lambda x, w: (x @ w).tanh() * 2, backend=inner_backend)
+
+    def body(x, w):
+        return inner(x, w) + x.sum()
+
+    def plain_body(x, w):
+        return (x @ w).tanh() * 2 + x.sum()
+
+    leaf = torchleaf.leaf_function(body)
+    leaf.register_fake(lambda x, w: x.new_empty(x.shape[0], w.shape[1]))
+
+    def program(f):
+        return lambda x, w: f(x, w).sin() * 3
+
+    x, w = _inputs()
+    expected_out = program(plain_body)(x, w)
+    expected = torch.autograd.grad(expected_out.sum(), (x, w))
+    undecorated = program(body)(x, w)  # the body itself, eagerly
+    torch.testing.assert_close(undecorated, expected_out)
+    for run in (program(leaf), torch.compile(program(leaf), backend=backend, fullgraph=True)):
+        for _ in range(2):
+            out = run(x, w)
+            torch.testing.assert_close(out, expected_out)
+            got = torch.autograd.grad(out.sum(), (x, w))
+            for g, e in zip(got, expected):
+                torch.testing.assert_close(g, e)
+    # The stash is back after each replay: a later compiled backward of the
+    # inner function alone still runs in it.
+    torch.autograd.grad(inner(x, w).sum(), (x, w))
+    assert torchleaf.live_states() == 0
