@@ -174,3 +174,17 @@ def test_backward_stashes_its_python_context_where_compiled_backwards_enter_it()
     assert not torch._C._is_key_in_tls("context")  # erased after the backward
     source = inspect.getsource(runtime_wrappers._codegen_compiled_backward)
     assert "_get_obj_in_tls('context')" in source and "_cc.run" in source
+
+
+def test_autocast_state_queries():
+    """A compiled call records the autocast state it was traced under
+    (_leaf._autocast_state) with these, and enters it around its fake and
+    real function."""
+    assert "cpu" in torch._C._autocast_supported_devices()
+    assert not torch._C._is_any_autocast_enabled()
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        assert torch._C._is_any_autocast_enabled()
+        from torchleaf import _leaf
+
+        assert _leaf._autocast_state() == ((("cpu", torch.bfloat16),), False)
+    assert _leaf._autocast_state() is None
