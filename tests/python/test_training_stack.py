@@ -151,10 +151,10 @@ def test_autocast(backend, where):
         return run
 
     def runner(autocast):
-        if where == "inside":
-            run = program(leaf, autocast)
-        else:
-            run = lambda x, w: leaf(x, w).sin() * 2  # noqa: E731
+        def plain_program(x, w):
+            return leaf(x, w).sin() * 2
+
+        run = program(leaf, autocast) if where == "inside" else plain_program
         if backend is not None:
             run = torch.compile(run, backend=backend, fullgraph=True)
         if where == "inside":
