@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/SequenceNumber.h>
+#include <ATen/ThreadLocalPythonObjects.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
@@ -14,6 +15,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <sstream>
+#include <unordered_map>
 
 #include <torchleaf/config.h>
 #include <torchleaf/errors.h>
@@ -142,11 +144,182 @@ int64_t sink_index(const CapturedState& state, const Node* node) {
   return -1;
 }
 
+// Which nodes a captured call owns. A node belongs to the call exactly when
+// a path leads from it to one of the call's input sinks: the call's graph is
+// what lies between its outputs and its (detached) inputs. Anything else the
+// outputs reach -- a leaf that is not an input (AccumulateGrad), the caller's
+// graph reached through a closure, or nodes of the call that lead only there
+// -- is outside. Sequence numbers cannot decide this: they count per thread,
+// so a closure built on another thread, or a node the function makes on a
+// worker thread, would land on the wrong side.
+//
+// Nodes are classified by a depth-first walk from the outputs, memoized, and
+// pruned where the answer is known without looking further: sinks (inside),
+// AccumulateGrad (outside), and nodes this thread made before the call
+// (outside: they existed before the sinks, so they have no edge to one; the
+// thread's own sequence numbers do order those).
+class CallMembership {
+ public:
+  CallMembership(const CapturedState& state, uint64_t first_sequence_nr)
+      : state_(state),
+        first_sequence_nr_(first_sequence_nr),
+        thread_(at::RecordFunction::currentThreadId()) {}
+
+  // Whether `fn` (not null) belongs to the call: a sink or a node with a
+  // path to one.
+  bool inside(Node* fn) {
+    if (auto known = quick(fn)) {
+      return *known;
+    }
+    // Iterative: a graph may be deep (the caller's graph behind a closure).
+    struct Frame {
+      Node* node;
+      size_t next = 0;
+      bool reaches = false;
+    };
+    c10::SmallVector<Frame, 16> stack;
+    remember(fn, kVisiting);
+    stack.push_back(Frame{fn});
+    bool result = false;
+    while (!stack.empty()) {
+      Frame& top = stack.back();
+      if (top.next < top.node->num_outputs()) {
+        Node* child = top.node->next_edge(top.next++).function.get();
+        if (child == nullptr) {
+          continue;
+        }
+        if (auto known = quick(child)) {
+          top.reaches = top.reaches || *known;
+          continue;
+        }
+        remember(child, kVisiting);
+        stack.push_back(Frame{child});
+        continue;
+      }
+      result = top.reaches;
+      remember(top.node, result ? kInside : kOutside);
+      if (result) {
+        inside_.push_back(top.node);
+      }
+      stack.pop_back();
+      if (!stack.empty()) {
+        stack.back().reaches = stack.back().reaches || result;
+      }
+    }
+    return result;
+  }
+
+  // The non-sink nodes found inside, each once.
+  const c10::SmallVector<Node*, 16>& inside_nodes() const {
+    return inside_;
+  }
+
+  // Whether the call made `fn` on this thread (for naming escaped tensors
+  // only: a node made on another thread counts as not made by the call).
+  bool made_here(const Node* fn) const {
+    return fn->thread_id() == thread_ && fn->sequence_nr() >= first_sequence_nr_ &&
+        fn->sequence_nr() != UINT64_MAX;
+  }
+
+ private:
+  enum Mark : uint8_t { kVisiting, kInside, kOutside };
+
+  std::optional<bool> quick(const Node* fn) {
+    if (sink_index(state_, fn) >= 0) {
+      return true;
+    }
+    if (dynamic_cast<const torch::autograd::AccumulateGrad*>(fn) != nullptr) {
+      return false;
+    }
+    if (fn->thread_id() == thread_ && fn->sequence_nr() < first_sequence_nr_) {
+      return false; // made by this thread before the call
+    }
+    if (auto mark = lookup(fn)) {
+      // kVisiting cannot recur in an acyclic graph; outside if it did.
+      return *mark == kInside;
+    }
+    return std::nullopt;
+  }
+
+  // Leaf calls have small graphs: a linear scan, then a hash map.
+  std::optional<Mark> lookup(const Node* fn) const {
+    if (!large_.empty()) {
+      auto it = large_.find(fn);
+      return it == large_.end() ? std::nullopt : std::optional<Mark>(it->second);
+    }
+    for (const auto& [node, mark] : small_) {
+      if (node == fn) {
+        return mark;
+      }
+    }
+    return std::nullopt;
+  }
+
+  void remember(const Node* fn, Mark mark) {
+    if (large_.empty()) {
+      for (auto& [node, m] : small_) {
+        if (node == fn) {
+          m = mark;
+          return;
+        }
+      }
+      if (small_.size() < kSmall) {
+        small_.emplace_back(fn, mark);
+        return;
+      }
+      large_.insert(small_.begin(), small_.end());
+    }
+    large_[fn] = mark;
+  }
+
+  static constexpr size_t kSmall = 32;
+  const CapturedState& state_;
+  const uint64_t first_sequence_nr_;
+  const uint64_t thread_;
+  c10::SmallVector<std::pair<const Node*, Mark>, kSmall> small_;
+  std::unordered_map<const Node*, Mark> large_;
+  c10::SmallVector<Node*, 16> inside_;
+};
+
+// Describes the tensors behind an edge that leaves the call: walks on
+// through nodes the call made (w * 2 inside the function) to the tensors
+// that require grad without being inputs -- leaves (AccumulateGrad) and
+// nodes the call did not make (the caller's graph, another thread's).
+void describe_escaped(
+    CallMembership& members,
+    const Edge& edge,
+    c10::SmallVector<const Node*, 8>& seen,
+    std::vector<std::string>& escaped) {
+  c10::SmallVector<const Edge*, 8> stack{&edge};
+  while (!stack.empty()) {
+    const Edge* e = stack.back();
+    stack.pop_back();
+    const Node* fn = e->function.get();
+    if (fn == nullptr || std::find(seen.begin(), seen.end(), fn) != seen.end()) {
+      continue;
+    }
+    seen.push_back(fn);
+    if (const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(fn)) {
+      escaped.push_back(describe(acc->variable.sym_sizes(), acc->variable.scalar_type()));
+    } else if (members.made_here(fn)) {
+      for (const auto& next : fn->next_edges()) {
+        stack.push_back(&next);
+      }
+    } else {
+      const auto& meta = fn->input_metadata(e->input_nr);
+      escaped.push_back(
+          describe(meta.shape_as_dim_vector(), meta.options().dtype().toScalarType()));
+    }
+  }
+}
+
 // Walks the captured graph from the outputs and records which inputs the
-// outputs reach. Tensors that require grad but are not inputs (leaves, i.e.
-// AccumulateGrad, and nodes created before the call: the caller's graph,
-// reached through a closure) are reported when `report_escaped`, and
-// otherwise cut off, so that no gradient is computed for them.
+// outputs reach and every edge that leads to an input sink. Edges from the
+// call's graph to anything outside it (CallMembership) are escaped
+// gradients: reported when `report_escaped`, and otherwise cut off, so that
+// no gradient is computed for them -- the call's own edges are cut, never
+// the caller's graph. An output computed from escaped tensors alone loses
+// its edge.
 void walk_captured_graph(
     const LeafEntry& entry,
     CapturedState& state,
@@ -154,57 +327,43 @@ void walk_captured_graph(
     bool report_escaped) {
   state.input_reached.assign(state.input_edges.size(), false);
   state.sink_uses.clear();
-  auto reach = [&](Edge& edge) {
-    auto i = sink_index(state, edge.function.get());
-    if (i >= 0) {
+  CallMembership members(state, first_sequence_nr);
+  std::vector<std::string> escaped;
+  c10::SmallVector<const Node*, 8> seen;
+  // One edge of the call's graph: to a sink, inside, or leaving the call.
+  auto visit = [&](Edge& edge) {
+    Node* fn = edge.function.get();
+    if (fn == nullptr) {
+      return;
+    }
+    if (auto i = sink_index(state, fn); i >= 0) {
       state.input_reached[i] = true;
       state.sink_uses.emplace_back(&edge, static_cast<size_t>(i));
+      return;
     }
-    return i >= 0;
-  };
-  c10::SmallVector<const Node*, 32> visited;
-  auto first_visit = [&](const Node* fn) {
-    if (std::find(visited.begin(), visited.end(), fn) != visited.end()) {
-      return false;
+    if (members.inside(fn)) {
+      return;
     }
-    visited.push_back(fn);
-    return true;
+    if (report_escaped) {
+      describe_escaped(members, edge, seen, escaped);
+    } else {
+      edge = Edge(); // its gradient is simply not computed
+    }
   };
-  c10::SmallVector<Node*, 16> stack;
   for (auto& e : state.output_edges) {
-    Node* fn = e.function.get();
-    if (fn != nullptr && !reach(e) && first_visit(fn)) {
-      stack.push_back(fn);
+    // An output that is itself a leaf (made inside the function, or a
+    // closure's leaf returned as is) has no history to lose.
+    if (dynamic_cast<torch::autograd::AccumulateGrad*>(e.function.get()) == nullptr) {
+      visit(e);
     }
   }
-  std::vector<std::string> escaped;
-  while (!stack.empty()) {
-    Node* node = stack.back();
-    stack.pop_back();
-    for (auto& next : node->next_edges()) {
-      Node* fn = next.function.get();
-      if (fn == nullptr || reach(next)) {
-        continue;
-      }
-      auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fn);
-      if (acc == nullptr && fn->sequence_nr() >= first_sequence_nr) {
-        if (first_visit(fn)) {
-          stack.push_back(fn);
-        }
-        continue;
-      }
-      // An escaped tensor: a leaf that is not an input, or the caller's graph.
-      if (!report_escaped) {
-        next = Edge(); // its gradient is simply not computed
-      } else if (first_visit(fn)) {
-        if (acc != nullptr) {
-          escaped.push_back(describe(acc->variable.sym_sizes(), acc->variable.scalar_type()));
-        } else {
-          const auto& meta = fn->input_metadata(next.input_nr);
-          escaped.push_back(describe(
-              meta.shape_as_dim_vector(), meta.options().dtype().toScalarType()));
-        }
-      }
+  // Every node inside was classified by the walks above; each is visited
+  // once. (inside_nodes() does not grow here: the children of a node inside
+  // are all classified already.)
+  const auto& inside = members.inside_nodes();
+  for (size_t n = 0; n < inside.size(); ++n) {
+    for (auto& next : inside[n]->next_edges()) {
+      visit(next);
     }
   }
   if (!escaped.empty()) {
@@ -425,6 +584,16 @@ TensorList run_real(
     }
     walk_captured_graph(
         entry, *state, first_sequence_nr, entry.check_escaped_gradients());
+    if (caller_edges != nullptr) {
+      // An output computed only from escaped tensors lost its edge; eager
+      // outputs keep their own history otherwise, which would still lead
+      // there.
+      for (size_t i = 0; i < outputs.size(); ++i) {
+        if (!state->output_edges[i].is_valid() && outputs[i].requires_grad()) {
+          outputs[i] = outputs[i].detach();
+        }
+      }
+    }
     *state_out = std::move(state);
   }
   if (caller_edges == nullptr) { // attach_to_caller decides for eager calls
@@ -588,6 +757,39 @@ std::optional<variable_list> replay_inline(
 #endif
 }
 
+// PyTorch's Python backward (torch.autograd.graph._engine_run_backward)
+// stashes a copy of the caller's contextvars.Context in this thread's
+// Python objects under "context", and every AOTAutograd compiled backward
+// runs its graph inside it (context.run), so that compiler settings are
+// visible on the engine's device threads. A replay that runs inside such a
+// compiled backward (the torchleaf::backward node of a compiled graph) and
+// reaches another compiled function's backward (the leaf's body called a
+// torch.compile'd function) would enter that same, already entered context:
+// "cannot enter context: ... is already entered". While a captured graph
+// replays, the stash is put aside: nested compiled backwards then run in the
+// context that is current (the one the enclosing backward entered), and the
+// stash is back once the replay ends, whatever happens.
+class PythonContextSetAside {
+ public:
+  PythonContextSetAside() {
+    if (at::impl::ThreadLocalPythonObjects::contains(kKey)) {
+      saved_ = at::impl::ThreadLocalPythonObjects::get(kKey);
+      at::impl::ThreadLocalPythonObjects::erase(kKey);
+    }
+  }
+  ~PythonContextSetAside() {
+    if (saved_) {
+      at::impl::ThreadLocalPythonObjects::set(kKey, std::move(saved_));
+    }
+  }
+  PythonContextSetAside(const PythonContextSetAside&) = delete;
+  PythonContextSetAside& operator=(const PythonContextSetAside&) = delete;
+
+ private:
+  static constexpr const char* kKey = "context";
+  std::shared_ptr<c10::SafePyObject> saved_;
+};
+
 } // namespace
 
 TensorList replay(
@@ -612,6 +814,17 @@ TensorList replay(
   }
   variable_list results;
   if (!roots.empty() && !state.input_edges.empty()) {
+    PythonContextSetAside context_set_aside;
+    // The engine frees what it runs exactly when the enclosing backward
+    // frees its own graph: with retain_graph=True (or no enclosing backward:
+    // a direct call of torchleaf::backward) the captured graph stays whole
+    // for the next replay; without it the outer graph, and so this state,
+    // cannot be replayed again. Nodes in the captured graph see the same
+    // keep_graph as the inline path shows them (the enclosing one):
+    // AOTAutograd's compiled backward with donated buffers (a torch.compile'd
+    // function called in the leaf's body) refuses to run under keep_graph.
+    const bool keep_graph = torch::autograd::get_current_graph_task_id() == -1 ||
+        torch::autograd::get_current_graph_task_keep_graph();
     try {
       auto inline_results = replay_inline(state, roots, root_grads);
       results = inline_results
@@ -619,7 +832,7 @@ TensorList replay(
           : torch::autograd::Engine::get_default_engine().execute(
                 roots,
                 root_grads,
-                /*keep_graph=*/true,
+                keep_graph,
                 /*create_graph=*/false,
                 /*accumulate_grad=*/false,
                 state.input_edges);

@@ -278,7 +278,8 @@ def _run_own_rule(leaf, info, plan_index, inputs, in_dims, mutated, mutated_dims
         return rule(info, tuple(args_dims), *args, **kwargs)
 
     try:
-        result = _leaf._invoke(leaf, run, plan, tensors, None, fake=False)
+        invoke = _leaf._invoke_compiled if plan.ordered else _leaf._invoke  # autocast as traced
+        result = invoke(leaf, run, plan, tensors, None, fake=False)
     except BaseException as e:
         _leaf._add_note(e, f"raised inside the vmap rule of leaf function '{leaf._name}'")
         raise

@@ -19,6 +19,7 @@ Calls come in two forms, sharing plans and the rebuild code:
   same structure.
 """
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -350,10 +351,11 @@ class _Plan:
     """
 
     __slots__ = (
-        "index", "spec", "template", "slots", "mutated", "ordered", "positional", "out"
+        "index", "spec", "template", "slots", "mutated", "ordered", "positional", "out",
+        "autocast", "out_dtypes",
     )
 
-    def __init__(self, index, spec, template, slots, mutated, mode, positional):
+    def __init__(self, index, spec, template, slots, mutated, mode, positional, autocast=None):
         self.index = index
         self.spec = spec
         # The flat arguments with baked constants (traced plans) and None
@@ -364,6 +366,12 @@ class _Plan:
         self.ordered = mode == _COMPILED
         self.positional = positional  # tensors only, by position: call fn(*tensors)
         self.out = None  # the fake's output description, once traced
+        # Compiled plans: the autocast state the call was traced under
+        # (_autocast_state), entered around its fake and its real function.
+        self.autocast = autocast
+        # Compiled plans traced under autocast: the fake's output dtypes,
+        # which the real outputs must have.
+        self.out_dtypes = None
 
     def rebuild(self, leaf, tensors, arguments, fake):
         """(args, kwargs, [(module, {name: tensor})]) for one call."""
@@ -498,6 +506,60 @@ def _invoke(leaf, fn, plan, tensors, arguments, fake):
             stack.pop().__exit__(None, None, None)
 
 
+# ------------------------------------------------------------------ autocast
+# A compiled program's runtime does not run its graph under autocast
+# (AOTAutograd traced the autocast casts into the graph and disables it at
+# run time), so a leaf's real function, which runs there, would not see the
+# autocast it ran under eagerly. A compiled call records the autocast state it
+# was traced under (part of its plan's key) and runs its fake and its real
+# function under exactly that state.
+
+
+def _autocast_state():
+    """None when autocast is off, else (((device type, dtype), ...) for each
+    device type it is on for, whether its cache is on)."""
+    if not torch._C._is_any_autocast_enabled():
+        return None
+    enabled = tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in torch._C._autocast_supported_devices()
+        if torch.is_autocast_enabled(device)
+    )
+    return enabled, torch.is_autocast_cache_enabled()
+
+
+def _invoke_compiled(leaf, fn, plan, tensors, arguments, fake):
+    """_invoke under the autocast state a compiled plan was traced under."""
+    state = plan.autocast
+    if state is None and not torch._C._is_any_autocast_enabled():
+        return _invoke(leaf, fn, plan, tensors, arguments, fake)
+    enabled = dict(state[0]) if state is not None else {}
+    with contextlib.ExitStack() as stack:
+        for device in torch._C._autocast_supported_devices():
+            if device in enabled:
+                stack.enter_context(torch.autocast(device, dtype=enabled[device], cache_enabled=state[1]))
+            elif torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        return _invoke(leaf, fn, plan, tensors, arguments, fake)
+
+
+def _check_autocast_dtypes(leaf, plan, flat):
+    """Under autocast a fake written for full precision (x.new_empty(...))
+    gives a dtype the real function does not: the compiled graph would read
+    the real output as the fake's dtype."""
+    for i, (t, dtype) in enumerate(zip(flat, plan.out_dtypes)):
+        if isinstance(t, _Tensor) and t.dtype != dtype:
+            enabled = ", ".join(f"{device}: {d}" for device, d in plan.autocast[0])
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{leaf._name}' returned a {t.dtype} tensor at output {i} "
+                f"under autocast ({enabled}), but its fake implementation gave {dtype} when the "
+                f"call was compiled. The fake runs under the same autocast state as the real "
+                f"function: compute its outputs with the same operations on its inputs (a @ b "
+                f"gives the autocast dtype), or give them torch.get_autocast_dtype(device) when "
+                f"torch.is_autocast_enabled(device)."
+            )
+
+
 def _live_leaf(leaf_ref):
     leaf = leaf_ref()
     if leaf is None:  # the core entry is removed with the leaf; a call in flight raced it
@@ -511,15 +573,14 @@ def _run_real(leaf_ref, plan_index, tensors, arguments):
     leaf = _live_leaf(leaf_ref)
     plan = leaf._plans[plan_index]
     try:
-        out = _invoke(leaf, leaf._fn, plan, tensors, arguments, fake=False)
+        if plan.ordered:
+            out = _invoke_compiled(leaf, leaf._fn, plan, tensors, arguments, fake=False)
+        else:
+            out = _invoke(leaf, leaf._fn, plan, tensors, arguments, fake=False)
     except BaseException as e:
         _add_note(e, f"raised inside the real function of leaf function '{leaf._name}'")
         raise
     flat, desc = _flatten_output(leaf, out)
-    if plan.ordered:
-        # The core appends a new order token in place of the None (cheaper
-        # in C++ than torch.empty here, on every compiled call).
-        flat = flat + [None]
     if arguments is None:
         # Called through the operator (a graph, or a dispatch mode that runs
         # real kernels): the caller rebuilds outputs from the plan's
@@ -531,6 +592,12 @@ def _run_real(leaf_ref, plan_index, tensors, arguments):
             if _structure(traced) != _structure(desc):
                 raise _structure_mismatch(leaf, desc, traced)
             _check_graph_constants(leaf, traced, desc)
+    if plan.ordered:
+        if plan.out_dtypes is not None:
+            _check_autocast_dtypes(leaf, plan, flat)
+        # The core appends a new order token in place of the None (cheaper
+        # in C++ than torch.empty here, on every compiled call).
+        flat = flat + [None]
     return flat, desc
 
 
@@ -547,13 +614,18 @@ def _run_fake(leaf_ref, plan_index, tensors, arguments, real_desc):
         )
     plan = leaf._plans[plan_index]
     try:
-        out = _invoke(leaf, leaf._fake, plan, tensors, arguments, fake=True)
+        if plan.ordered:
+            out = _invoke_compiled(leaf, leaf._fake, plan, tensors, arguments, fake=True)
+        else:
+            out = _invoke(leaf, leaf._fake, plan, tensors, arguments, fake=True)
     except BaseException as e:
         _add_note(e, f"raised inside the fake implementation of leaf function '{leaf._name}'")
         raise
     flat, desc = _flatten_output(leaf, out)
     _check_fake_constants(leaf, desc)
     if plan.ordered:
+        if plan.autocast is not None and arguments is None and real_desc is None:
+            plan.out_dtypes = tuple(t.dtype if isinstance(t, _Tensor) else None for t in flat)
         flat = flat + [_new_order_token()]
     if real_desc is not None:
         if _structure(real_desc) != _structure(desc):
@@ -649,7 +721,10 @@ def _intern_for_compile(leaf, skeleton, structures):
     spec = _unnest(leaf, skeleton, flat, skeleton)
     structures = iter(structures)
     key = tuple((_MODULE_KEY, next(structures)) if x is _MODULE else x for x in flat)
-    plan = leaf._plan_from_key(spec, key, _COMPILED)
+    # The autocast state here, at trace time, is the call's: Dynamo enters an
+    # autocast context of the traced code for real while tracing, and guards
+    # the compiled code on the ambient one.
+    plan = leaf._plan_from_key(spec, key, _COMPILED, _autocast_state())
     return plan.index, plan.slots, plan.mutated
 
 
@@ -660,7 +735,8 @@ def _intern_positional_for_compile(leaf, n):
     reading no leaf attribute keeps the compiled frame's guards to the
     tensors' own (pytree's Python code would add guards that run in Python
     on every call)."""
-    plan = leaf._plan_from_key(pytree.tree_structure((tuple(range(n)), {})), (_TENSOR,) * n, _COMPILED)
+    spec = pytree.tree_structure((tuple(range(n)), {}))
+    plan = leaf._plan_from_key(spec, (_TENSOR,) * n, _COMPILED, _autocast_state())
     return leaf._id, plan.index
 
 
@@ -928,11 +1004,12 @@ class LeafFunction:
                 return repr(name)
         return f"flat argument {pos}"
 
-    def _plan_from_key(self, spec, key, mode):
+    def _plan_from_key(self, spec, key, mode, autocast=None):
         """The plan for a call key: per flat argument _TENSOR, a module
         structure tuple (tagged "module"), _INT/_NEGATIVE_INT, or the constant
-        itself (traced plans; eager keys hold None for constants)."""
-        full_key = (mode, spec, key)
+        itself (traced plans; eager keys hold None for constants). Compiled
+        plans also key on the autocast state they were traced under."""
+        full_key = (mode, spec, key, autocast)
         plan = self._plan_index.get(full_key)
         if plan is not None:
             return plan
@@ -968,7 +1045,9 @@ class LeafFunction:
                 len(slots) == len(key) and all(kind == _IN_TENSOR for kind, _, _ in slots)
                 and spec == pytree.tree_structure((tuple(range(len(key))), {}))
             )
-            plan = _Plan(len(self._plans), spec, tuple(template), tuple(slots), tuple(mutated), mode, positional)
+            plan = _Plan(
+                len(self._plans), spec, tuple(template), tuple(slots), tuple(mutated), mode, positional, autocast
+            )
             self._plans.append(plan)
             self._plan_index[full_key] = plan
             return plan

@@ -5,6 +5,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/generated/variable_factories.h>
 
+#include <numeric>
+#include <thread>
+
 using torchleaf::TensorList;
 
 namespace {
@@ -180,6 +183,119 @@ TEST(Autograd, EscapedGradientsAreReportedOrIgnored) {
   out[0].sum().backward();
   EXPECT_TRUE(torch::allclose(x.grad(), closure.detach()));
   EXPECT_FALSE(closure.grad().defined()); // not computed, as documented
+}
+
+namespace {
+
+// A traced call (torchleaf::forward, then torchleaf::backward), as compiled
+// graphs make it.
+std::tuple<TensorList, at::Tensor> traced_forward(
+    const torchleaf::LeafFunction& leaf,
+    const TensorList& inputs) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchleaf::forward", "")
+                       .typed<std::tuple<TensorList, at::Tensor>(
+                           int64_t, int64_t, at::TensorList, at::IntArrayRef)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  std::vector<int64_t> differentiable(inputs.size());
+  std::iota(differentiable.begin(), differentiable.end(), 0);
+  return op.call(leaf.id(), 0, inputs, differentiable);
+}
+
+TensorList traced_backward(
+    const torchleaf::LeafFunction& leaf,
+    const at::Tensor& state,
+    const at::Tensor& grad) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchleaf::backward", "")
+                       .typed<TensorList(
+                           int64_t,
+                           const at::Tensor&,
+                           const c10::List<std::optional<at::Tensor>>&,
+                           c10::SymIntArrayRef)>();
+  c10::List<std::optional<at::Tensor>> grads;
+  grads.push_back(grad);
+  return op.call(leaf.id(), state, grads, {});
+}
+
+// `w` times 1, `n` times: a chain of caller's nodes, made on this thread.
+at::Tensor chain(const at::Tensor& w, int n) {
+  auto h = w;
+  for (int i = 0; i < n; ++i) {
+    h = h * 1.0;
+  }
+  return h;
+}
+
+} // namespace
+
+// Sequence numbers count per thread. A closure tensor whose graph another
+// thread built has numbers unrelated to the call's; with the escaped-gradient
+// check off, the walk must still cut only the call's own edge to it, never an
+// edge inside the caller's graph (which lost w's gradient for the caller's
+// own backward).
+TEST(Autograd, ClosureBuiltOnAnotherThreadKeepsTheCallersGraph) {
+  auto w = torch::randn({3}, torch::dtype(torch::kDouble).requires_grad(true));
+  at::Tensor h;
+  std::thread([&] { h = chain(w, 50); }).join();
+  auto leaf = torchleaf::define_leaf(
+      unique_name("thread_closure"),
+      [h](const TensorList& in) { return TensorList{in[0] * h}; },
+      [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; },
+      torchleaf::LeafOptions().check_escaped(false));
+  auto x = torch::randn({3}, torch::dtype(torch::kDouble).requires_grad(true));
+
+  for (bool traced : {false, true}) {
+    SCOPED_TRACE(traced ? "traced" : "eager");
+    w.mutable_grad() = at::Tensor();
+    x.mutable_grad() = at::Tensor();
+    TensorList out;
+    at::Tensor state;
+    if (traced) {
+      std::tie(out, state) = traced_forward(leaf, {x});
+    } else {
+      out = leaf({x});
+    }
+    EXPECT_TRUE(torch::allclose(out[0], x * h));
+    // The caller's own graph is whole.
+    h.sum().backward({}, /*retain_graph=*/true);
+    ASSERT_TRUE(w.grad().defined());
+    EXPECT_TRUE(torch::allclose(w.grad(), torch::ones_like(w)));
+    // The call's gradient reaches x only (w's is dropped knowingly).
+    auto ones = torch::ones_like(x);
+    auto gx = traced ? traced_backward(leaf, state, ones)[0]
+                     : torch::autograd::grad({out[0]}, {x}, {ones})[0];
+    EXPECT_TRUE(torch::allclose(gx, h.detach()));
+    EXPECT_TRUE(torch::allclose(w.grad(), torch::ones_like(w)));
+  }
+  EXPECT_EQ(torchleaf::live_states(), 0);
+}
+
+// The other direction: nodes the function makes on a worker thread have
+// sequence numbers below the call's; they lead to the inputs, so they are
+// the call's (not escaped tensors) and the input's gradient flows.
+TEST(Autograd, NodesMadeOnAWorkerThreadBelongToTheCall) {
+  auto leaf = torchleaf::define_leaf(
+      unique_name("worker_thread"),
+      [](const TensorList& in) {
+        at::Tensor y;
+        std::thread([&] { y = in[0] * 3.0; }).join();
+        return TensorList{y.sin()};
+      },
+      [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; });
+  auto x = torch::randn({4}, torch::dtype(torch::kDouble).requires_grad(true));
+  chain(x, 200); // this thread's sequence numbers run ahead of the worker's
+  auto expected = torch::autograd::grad({(x * 3.0).sin().sum()}, {x})[0];
+
+  auto out = leaf({x});
+  EXPECT_TRUE(torch::allclose(out[0], (x * 3.0).sin()));
+  EXPECT_TRUE(torch::allclose(torch::autograd::grad({out[0].sum()}, {x})[0], expected));
+
+  auto [traced_out, state] = traced_forward(leaf, {x});
+  auto gx = traced_backward(leaf, state, torch::ones_like(x))[0];
+  EXPECT_TRUE(torch::allclose(gx, expected));
+  state.reset();
+  EXPECT_EQ(torchleaf::live_states(), 0);
 }
 
 TEST(Autograd, CallerUnderNoGradGetsNoGraph) {

@@ -4,6 +4,7 @@ built-in leaf_function fails), retain_graph, double backward, lifetimes and
 escaped gradients."""
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -369,6 +370,98 @@ def test_escaped_gradients_are_counted_or_ignored():
 
     with pytest.raises(LeafFunctionError, match=r"uses_graph' uses 1 tensor\(s\) that require grad"):
         uses_graph(x)
+
+
+def _on_another_thread(fn):
+    box = []
+    thread = threading.Thread(target=lambda: box.append(fn()))
+    thread.start()
+    thread.join()
+    return box[0]
+
+
+def _chain(w, n):
+    h = w
+    for _ in range(n):
+        h = h * 1.0
+    return h
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_check_off_keeps_the_graph_of_a_closure_built_on_another_thread(backend):
+    """Issue 12: with the escaped-gradient check off, membership in a call's
+    graph was decided by autograd sequence numbers, which count per thread:
+    a closure whose graph another thread built looked like the call's own
+    nodes, and the walk cut an edge inside the caller's graph (w.grad None
+    after the caller's own backward). Now the call's graph is what lies
+    between its outputs and its inputs."""
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    h = _on_another_thread(lambda: _chain(w, 50))
+
+    def plain(x):
+        return (x * h).sin() + x
+
+    leaf = torchleaf.leaf_function(plain, check_escaped_gradients=False)
+    leaf.register_fake(lambda x: torch.empty_like(x))
+    call = leaf if backend is None else torch.compile(lambda x: leaf(x), backend=backend, fullgraph=True)
+
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    out = call(x)
+    torch.testing.assert_close(out, plain(x))
+    # The caller's own graph is whole.
+    h.sum().backward(retain_graph=True)
+    torch.testing.assert_close(w.grad, torch.ones_like(w))
+    # The call's gradient reaches x as the undecorated function's does; w's
+    # is dropped knowingly (check off).
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    (expected,) = torch.autograd.grad(plain(x).sum(), x)
+    torch.testing.assert_close(gx, expected)
+    torch.testing.assert_close(w.grad, torch.ones_like(w))
+    assert gradcheck(leaf, (x,))
+    del out
+    gc.collect()
+    assert torchleaf.live_states() == 0
+
+
+def test_check_off_detaches_an_output_made_only_from_escaped_tensors():
+    """An output computed from closure tensors alone has no edge into the
+    call's graph: with the check off it carries no gradient (none is computed
+    for escaped tensors), and the caller's graph behind it stays whole."""
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    h = w * 2
+
+    def plain(x):
+        return x * h, h.exp()
+
+    leaf = torchleaf.leaf_function(plain, check_escaped_gradients=False)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    out, only_closure = leaf(x)
+    torch.testing.assert_close((out, only_closure), plain(x))
+    assert out.requires_grad and not only_closure.requires_grad
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, h.detach())
+    assert w.grad is None
+    h.sum().backward()
+    torch.testing.assert_close(w.grad, torch.full_like(w, 2.0))
+
+
+def test_nodes_made_on_a_worker_thread_belong_to_the_call():
+    """The other direction: nodes the function makes on a worker thread have
+    sequence numbers below the call's. They lead to the inputs, so they are
+    the call's own (the check used to report them as escaped tensors)."""
+
+    def plain(x):
+        return _on_another_thread(lambda: x * 3.0).sin()
+
+    leaf = torchleaf.leaf_function(plain)
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    _chain(x, 200)  # this thread's sequence numbers run ahead of the worker's
+    out = leaf(x)
+    torch.testing.assert_close(out, plain(x))
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    (expected,) = torch.autograd.grad(plain(x).sum(), x)
+    torch.testing.assert_close(gx, expected)
+    assert gradcheck(leaf, (x,))
 
 
 def test_closure_gradients_without_differentiable_inputs_are_an_error():

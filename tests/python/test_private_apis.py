@@ -149,3 +149,42 @@ def test_treespec_json_round_trips():
     text = treespec_dumps(spec)
     assert isinstance(text, str)
     assert treespec_loads(text) == spec
+
+
+def test_backward_stashes_its_python_context_where_compiled_backwards_enter_it():
+    """torchleaf's replay sets aside the thread-local object "context" that
+    PyTorch's backward stashes and AOTAutograd's compiled backward enters
+    (csrc/capture.cpp, PythonContextSetAside): a replay inside a compiled
+    backward that reaches another compiled backward would enter it twice."""
+    from torch._functorch._aot_autograd import runtime_wrappers
+
+    seen = []
+
+    def hook(grad):
+        seen.append(torch._C._is_key_in_tls("context") and torch._C._get_obj_in_tls("context"))
+        return grad
+
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(hook)
+    y.sum().backward()
+    import contextvars
+
+    assert len(seen) == 1 and isinstance(seen[0], contextvars.Context)
+    assert not torch._C._is_key_in_tls("context")  # erased after the backward
+    source = inspect.getsource(runtime_wrappers._codegen_compiled_backward)
+    assert "_get_obj_in_tls('context')" in source and "_cc.run" in source
+
+
+def test_autocast_state_queries():
+    """A compiled call records the autocast state it was traced under
+    (_leaf._autocast_state) with these, and enters it around its fake and
+    real function."""
+    assert "cpu" in torch._C._autocast_supported_devices()
+    assert not torch._C._is_any_autocast_enabled()
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        assert torch._C._is_any_autocast_enabled()
+        from torchleaf import _leaf
+
+        assert _leaf._autocast_state() == ((("cpu", torch.bfloat16),), False)
+    assert _leaf._autocast_state() is None

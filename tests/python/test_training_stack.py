@@ -80,3 +80,145 @@ def test_activation_checkpointing(backend):
             torch.testing.assert_close(g, e)
         assert len(calls) == 2  # forward, and the recomputation in backward
     assert torchleaf.live_states() == 0
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+@pytest.mark.parametrize("inner_backend", ["aot_eager", "inductor"])
+def test_body_calls_a_compiled_function(backend, inner_backend):
+    """Issue 12: a leaf whose body calls a torch.compile'd function, inside a
+    compiled program. The outer compiled backward runs inside the Python
+    context that PyTorch's backward stashed (context.run); replaying the
+    leaf's graph reached the inner compiled backward, which entered the same
+    context again: "cannot enter context: ... is already entered"."""
+    torch._dynamo.reset()
+    inner = torch.compile(lambda x, w: (x @ w).tanh() * 2, backend=inner_backend)
+
+    def body(x, w):
+        return inner(x, w) + x.sum()
+
+    def plain_body(x, w):
+        return (x @ w).tanh() * 2 + x.sum()
+
+    leaf = torchleaf.leaf_function(body)
+    leaf.register_fake(lambda x, w: x.new_empty(x.shape[0], w.shape[1]))
+
+    def program(f):
+        return lambda x, w: f(x, w).sin() * 3
+
+    x, w = _inputs()
+    expected_out = program(plain_body)(x, w)
+    expected = torch.autograd.grad(expected_out.sum(), (x, w))
+    undecorated = program(body)(x, w)  # the body itself, eagerly
+    torch.testing.assert_close(undecorated, expected_out)
+    for run in (program(leaf), torch.compile(program(leaf), backend=backend, fullgraph=True)):
+        for _ in range(2):
+            out = run(x, w)
+            torch.testing.assert_close(out, expected_out)
+            got = torch.autograd.grad(out.sum(), (x, w))
+            for g, e in zip(got, expected):
+                torch.testing.assert_close(g, e)
+    # The stash is back after each replay: a later compiled backward of the
+    # inner function alone still runs in it.
+    torch.autograd.grad(inner(x, w).sum(), (x, w))
+    assert torchleaf.live_states() == 0
+
+
+def _autocast_fake(x, w):
+    # A fake that follows autocast, as the real function's matmul does.
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+    return x.new_empty(x.shape[0], w.shape[1], dtype=dtype)
+
+
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+@pytest.mark.parametrize("where", ["around", "inside"])
+def test_autocast(backend, where):
+    """Issue 12: under torch.autocast a leaf's real function runs under
+    autocast eagerly (bfloat16 output, as the undecorated function), but a
+    compiled program's runtime does not enable autocast (AOTAutograd traced
+    the casts into the graph): a compiled call records the autocast state it
+    was traced under and runs its fake and real function under it. "around":
+    the compiled function is called inside autocast; "inside": the autocast
+    context is part of the compiled code."""
+    torch._dynamo.reset()
+    leaf = torchleaf.leaf_function(_squash)
+    leaf.register_fake(_autocast_fake)
+
+    def program(f, autocast):
+        def run(x, w):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                return f(x, w).sin() * 2
+
+        return run
+
+    def runner(autocast):
+        def plain_program(x, w):
+            return leaf(x, w).sin() * 2
+
+        run = program(leaf, autocast) if where == "inside" else plain_program
+        if backend is not None:
+            run = torch.compile(run, backend=backend, fullgraph=True)
+        if where == "inside":
+            return run
+
+        def around(x, w):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                return run(x, w)
+
+        return around
+
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, 2, requires_grad=True)
+    for autocast in (True, False, True):  # off: full precision, a plan of its own
+        expected_out = program(_squash, autocast)(x, w)
+        assert expected_out.dtype == (torch.bfloat16 if autocast else torch.float32)
+        expected = torch.autograd.grad(expected_out.sum(), (x, w))
+        out = runner(autocast)(x, w)
+        assert out.dtype == expected_out.dtype
+        torch.testing.assert_close(out, expected_out)
+        got = torch.autograd.grad(out.sum(), (x, w))
+        for g, e in zip(got, expected):
+            assert g.dtype == e.dtype == torch.float32
+            torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-2)
+    assert torchleaf.live_states() == 0
+
+
+def test_autocast_disabled_inside_a_compiled_region():
+    """The state recorded is the call's own: autocast switched off around the
+    call inside an autocast region gives full precision, as eagerly."""
+    torch._dynamo.reset()
+    leaf = torchleaf.leaf_function(_squash)
+    leaf.register_fake(_autocast_fake)
+
+    def program(f):
+        def run(x, w):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = x @ w  # bfloat16
+                with torch.autocast("cpu", enabled=False):
+                    z = f(x, w)  # float32
+                return y.float() + z
+
+        return run
+
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, 2, requires_grad=True)
+    expected_out = program(_squash)(x, w)
+    expected = torch.autograd.grad(expected_out.sum(), (x, w))
+    for backend in COMPILED:
+        torch._dynamo.reset()
+        out = torch.compile(program(leaf), backend=backend, fullgraph=True)(x, w)
+        torch.testing.assert_close(out, expected_out)
+        for g, e in zip(torch.autograd.grad(out.sum(), (x, w)), expected):
+            torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-2)
+
+
+def test_autocast_fake_that_ignores_autocast_is_a_clear_error():
+    """A fake written for full precision (new_empty) under autocast: the
+    compiled graph would read the real bfloat16 output as float32."""
+    torch._dynamo.reset()
+    leaf = _leaf()  # its fake ignores autocast
+    run = torch.compile(leaf, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, 3)
+    w = torch.randn(3, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(torchleaf.LeafFunctionError, match=r"returned a torch.bfloat16 tensor at output 0 under autocast"):
+            run(x, w)
