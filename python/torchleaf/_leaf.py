@@ -690,6 +690,40 @@ def _nest(spec, leaves):
     return (_NODE, spec.type, context, tuple(_nest(c, leaves) for c in spec.children()))
 
 
+_LEAF = "\x00torchleaf:leaf"  # a leaf's place in _flatten_traced's structure
+
+
+def _flatten_traced(obj, flat):
+    """Traced by Dynamo: pytree.tree_flatten of a call's arguments, appending
+    the leaves to ``flat`` and returning the structure as _nest does, with
+    _LEAF at the leaves. Builtin containers are walked here: tracing pytree's
+    own code would guard the compiled frame on pytree internals, with guards
+    that run in Python on every call. Other pytree nodes go through pytree."""
+    # (Tensors first: type() of a tensor compared with a class would add a
+    # guard run in Python, on torch.Tensor's identity.)
+    if isinstance(obj, (_Tensor, nn.Module)) or obj is None:
+        flat.append(obj)
+        return _LEAF
+    t = type(obj)
+    if t is tuple or t is list:
+        return (_NODE, t, None, tuple(_flatten_traced(x, flat) for x in obj))
+    if t is dict:
+        return (_NODE, dict, list(obj.keys()), tuple(_flatten_traced(x, flat) for x in obj.values()))
+    if t in (bool, int, float, str):
+        flat.append(obj)
+        return _LEAF
+    leaves, spec = pytree.tree_flatten(obj)
+    flat.extend(leaves)
+    return _nest(spec, iter([_LEAF] * len(leaves)))
+
+
+def _fill(nested, leaves):
+    """A _flatten_traced structure with ``leaves`` in place of _LEAF."""
+    if nested is _LEAF:
+        return next(leaves)
+    return (nested[0], nested[1], nested[2], tuple(_fill(c, leaves) for c in nested[3]))
+
+
 def _unnest(leaf, nested, flat, skeleton, path=()):
     """The TreeSpec of a _nest result, appending its leaves to ``flat``."""
     if type(nested) is not tuple or len(nested) != 4 or nested[0] is not _NODE:
@@ -1199,9 +1233,10 @@ class LeafFunction:
                     break
             else:
                 return self._compiled_positional_call(args)
-        flat, spec = pytree.tree_flatten((args, kwargs))
         if torch.compiler.is_exporting():
-            return self._exported_call(flat, spec)
+            return self._exported_call(*pytree.tree_flatten((args, kwargs)))
+        flat = []
+        nested = _flatten_traced((args, kwargs), flat)
         skeleton = []
         structures = []
         module_tensors = []
@@ -1233,7 +1268,7 @@ class LeafFunction:
             else:
                 skeleton.append(x)
         plan_index, slots, mutated_positions = _intern_for_compile(
-            self, _nest(spec, iter(skeleton)), tuple(structures)
+            self, _fill(nested, iter(skeleton)), tuple(structures)
         )
         if mutated_positions:
             _check_read_and_mutated(self, flat, slots, mutated_positions, plan_index)
