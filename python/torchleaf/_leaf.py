@@ -115,6 +115,14 @@ def _module_structure(module):
     return (cls.__module__, cls.__qualname__, names, aliases, n_params), tensors
 
 
+# Handles made while Dynamo traced a module that had none (_sight_module),
+# not yet set on the module: Dynamo may restart the trace (after a graph
+# break later in the frame, e.g. loss.backward() in a compiled training
+# step), and the restarted trace must see the module as the first did. Set on
+# the module when it first runs (or is seen eagerly).
+_PENDING = weakref.WeakKeyDictionary()  # module -> _ModuleHandle
+
+
 def _handle_of(module, structure):
     """The module's handle, made on first sight (or after a copy or unpickling
     left it with one that names another module)."""
@@ -123,7 +131,7 @@ def _handle_of(module, structure):
         ref = _MODULES.get(handle.value)
         if ref is not None and ref() is module:
             return handle
-    handle = _ModuleHandle(module, structure)
+    handle = _PENDING.pop(module, None) or _ModuleHandle(module, structure)
     module.__dict__[_HANDLE_ATTR] = handle
     return handle
 
@@ -146,6 +154,10 @@ def _module_at_run_time(leaf, handle, structure, tensors, fake):
         )
     ref = _MODULES.get(int(handle))
     module = ref() if ref is not None else None
+    if _PENDING and module is not None and _HANDLE_ATTR not in module.__dict__:
+        pending = _PENDING.pop(module, None)
+        if pending is not None:
+            module.__dict__[_HANDLE_ATTR] = pending
     if module is None:
         raise LeafFunctionError(
             f"torchleaf: leaf function '{leaf._name}' was called from a graph with a "
@@ -159,9 +171,13 @@ def _module_at_run_time(leaf, handle, structure, tensors, fake):
 @torch._dynamo.assume_constant_result
 def _sight_module(module):
     """Called by Dynamo at trace time for a module that has no handle yet: makes
-    one and returns its value. (Dynamo guards this trace on the module's
-    identity; traces of modules that already have handles do not.)"""
-    return _handle_of(module, _module_structure(module)[0]).value
+    one (the same one again in a restarted trace; see _PENDING) and returns
+    its value. (Dynamo guards this trace on the module's identity; traces of
+    modules that already have handles do not.)"""
+    handle = _PENDING.get(module)
+    if handle is None:
+        handle = _PENDING[module] = _ModuleHandle(module, _module_structure(module)[0])
+    return handle.value
 
 
 # --------------------------------------------------------------------- outputs
