@@ -700,7 +700,9 @@ def _named_fake(inputs, *rest):
             f"torchleaf: leaf function '{name}' is not defined in this process; import the module "
             f"that defines it (@torchleaf.leaf_function(name={name!r})) first."
         )
-    return _C.run_fake(leaf._id, _plan_for_call(leaf._id, call), list(inputs), mutated)
+    from ._registration import _strides_relied_on
+
+    return _C.run_fake(leaf._id, _plan_for_call(leaf._id, call), list(inputs), mutated, _strides_relied_on())
 
 
 # ------------------------------------------------------------------ decorator

@@ -292,3 +292,85 @@ def test_unbacked_output_size_with_gradients(backend):
     torch.testing.assert_close(compiled(x), positives(x).sum())
     got = torch.autograd.grad(compiled(x), x)[0]
     torch.testing.assert_close(got, torch.autograd.grad(positives(x).sum(), x)[0])
+
+
+# A wrong fake with validation off: every real call of a traced graph is
+# checked against what the fake gave when the graph was traced (rank, sizes,
+# dtype, device, strides), which used to be silent garbage under aot_eager
+# or an Inductor assert that names no leaf.
+# {case: (real function, a correct fake, the error with torch.empty_like as the fake)}
+WRONG_FAKES = {
+    "rank": (
+        lambda x: x.sum(0),
+        lambda x: x.new_empty(x.shape[1]),
+        r"output 0 has 1-d shape \[3\] but the fake implementation returned 2-d shape \[2, 3\]",
+    ),
+    "shape": (
+        lambda x: torch.cat([x, x]),
+        lambda x: x.new_empty(2 * x.shape[0], x.shape[1]),
+        r"output 0 has shape \[4, 3\] but the fake implementation returned shape \[2, 3\]",
+    ),
+    "dtype": (
+        lambda x: x.double(),
+        lambda x: torch.empty_like(x, dtype=torch.float64),
+        r"output 0 has dtype Double but the fake implementation returned dtype Float",
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("wrong", sorted(WRONG_FAKES))
+def test_a_wrong_fake_is_named_on_compiled_calls(backend, requires_grad, wrong):
+    torch._dynamo.reset()
+    real, correct_fake, message = WRONG_FAKES[wrong]
+    leaf = _leaf(real, torch.empty_like)
+    compiled = torch.compile(lambda x: leaf(x) * 2, backend=backend, fullgraph=True)
+    x = torch.randn(2, 3, requires_grad=requires_grad)
+    with pytest.raises(LeafFunctionError, match=r"leaf function '.*<lambda>' " + message + r" when the graph was "
+                       r"traced\. .*Fix the fake implementation"):
+        compiled(x)
+    assert torchleaf.live_states() == 0
+    # The same leaf still runs eagerly (nothing traced there); with a correct
+    # fake it compiles. (A new leaf: Inductor's graph cache keys on the graph,
+    # which does not show the fake's output dtype.)
+    torch.testing.assert_close(leaf(x), real(x))
+    leaf = _leaf(real, correct_fake)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: leaf(x) * 2, backend=backend, fullgraph=True)
+    torch.testing.assert_close(compiled(x), real(x) * 2)
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+def test_a_fake_with_the_wrong_strides_is_named_where_the_graph_relies_on_them(backend):
+    torch._dynamo.reset()
+    real = lambda x: x.relu() * 2  # noqa: E731  (channels_last in, channels_last out)
+    leaf = _leaf(real, lambda x: torch.empty(x.shape))
+    x = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    compiled = torch.compile(lambda x: leaf(x) + 1, backend=backend, fullgraph=True)
+    if backend == "inductor":  # which asserts the strides of the leaf's outputs
+        with pytest.raises(LeafFunctionError, match=r"output 0 has strides \[48, 1, 12, 3\] \(shape \[2, 3, 4, 4\]\) "
+                           r"but the fake implementation returned strides \[48, 16, 4, 1\]"):
+            compiled(x)
+    else:  # aot_eager runs with whatever layout comes back
+        torch.testing.assert_close(compiled(x), real(x) + 1)
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+def test_correct_fakes_pass_the_check_with_dynamic_and_changing_shapes(backend):
+    torch._dynamo.reset()
+
+    def head(x, n):
+        return x[:n].t() * 2, x.sum(1).long()
+
+    def fake(x, n):  # the first output is a transposed (column-major) tensor, as the real one
+        return x.new_empty(min(n, x.shape[0]), x.shape[1]).t(), x.new_empty(x.shape[0], dtype=torch.long)
+
+    leaf = _leaf(head, fake)
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, n: leaf(x, n), backend=backend, fullgraph=True, dynamic=dynamic)
+        for rows, n in ((4, 2), (5, 3), (6, 3), (4, 2), (7, 7)):
+            x = torch.randn(rows, 3)
+            for got, expected in zip(compiled(x, n), head(x, n)):
+                torch.testing.assert_close(got, expected)
