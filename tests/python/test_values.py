@@ -224,6 +224,87 @@ def test_weights_tied_across_modules(backend):
     assert lm.emb.weight is weight and lm.head.weight is weight  # the module is left as it was
 
 
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_changes_to_a_module_between_calls_are_seen(backend):
+    # A module's walk is kept between calls and re-checked by identity: every
+    # way of changing what a module holds must reach the next call.
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3)).double()
+    leaf = _leaf(_through, lambda x, m: torch.empty_like(x))
+    run = leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+
+    def check():
+        got = run(x, model)
+        expected = model(x)
+        torch.testing.assert_close(got, expected)
+        params = list(model.parameters())
+        for g, e in zip(torch.autograd.grad(got.sum(), [x, *params]), torch.autograd.grad(expected.sum(), [x, *params])):
+            torch.testing.assert_close(g, e)
+
+    check()
+    model[0] = nn.Linear(3, 3).double()  # a submodule replaced
+    check()
+    model[2].weight = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))  # a parameter replaced
+    check()
+    model[2]._parameters["bias"] = nn.Parameter(torch.randn(3, dtype=torch.float64))  # behind PyTorch's back
+    check()
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # data changed in place, outside the leaf
+    check()
+    if backend is None:  # structure changes (a recompile under torch.compile)
+        model[2].bias = None
+        check()
+        model.append(nn.Linear(3, 3).double())
+        check()
+
+
+def test_modules_the_walk_cannot_place_are_bound_by_name(monkeypatch):
+    # The fallback for modules whose parameters a walk of named_modules does
+    # not find under their names (an overridden named_parameters).
+    from torchleaf import _leaf as leaf_module
+
+    walk = leaf_module._ModuleView.__init__
+
+    def cannot_place(self, module):
+        walk(self, module)
+        self.slot_dicts = None
+
+    monkeypatch.setattr(leaf_module._ModuleView, "__init__", cannot_place)
+    test_modules_with_tied_parameters_and_the_same_module_twice(None)
+    test_changes_to_a_module_between_calls_are_seen(None)
+    test_weights_tied_across_modules(None)
+    test_undeclared_in_place_change_of_a_module_buffer_names_it()
+    with pytest.raises(LeafFunctionError, match=r"replaced 'weight' of its Linear argument"):
+        torchleaf.leaf_function(lambda m, x: setattr(m, "weight", nn.Parameter(m.weight * 0)) or m(x))(
+            nn.Linear(2, 2), torch.ones(1, 2))
+
+
+def test_a_submodule_reassigned_inside_the_leaf_is_an_error():
+    def swaps(x, m):
+        m[0] = nn.Linear(3, 3)
+        return m(x)
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    leaf = torchleaf.leaf_function(swaps)
+    with pytest.raises(LeafFunctionError, match=r"replaced '0\.weight' of its Sequential argument"):
+        leaf(torch.randn(2, 3), model)
+
+
+def test_a_leaf_calling_a_leaf_with_the_same_module():
+    inner = _leaf(_through, lambda x, m: torch.empty_like(x))
+    outer = _leaf(lambda x, m: inner(x, m) * 2 + m(x), lambda x, m: torch.empty_like(x))
+    model = nn.Linear(3, 3).double()
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    for _ in range(2):
+        got = outer(x, model)
+        expected = model(x) * 3
+        torch.testing.assert_close(got, expected)
+        for g, e in zip(torch.autograd.grad(got.sum(), [x, *model.parameters()]),
+                        torch.autograd.grad(expected.sum(), [x, *model.parameters()])):
+            torch.testing.assert_close(g, e)
+
+
 @torchleaf.leaf_function(mutates_args={"bn"})
 def _normalize(x, bn):
     return bn(x).relu()
