@@ -94,7 +94,7 @@ def _module_state(module):
     (name, index) for every further name of one of them (tied weights, a
     submodule used twice)."""
     names, aliases, tensors = [], [], []
-    n_params = 0
+    n_params = None
     for named in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
         for name, t in named:
             for i, seen in enumerate(tensors):
@@ -104,7 +104,7 @@ def _module_state(module):
             else:
                 names.append(name)
                 tensors.append(t)
-        if not n_params:
+        if n_params is None:  # after the parameters (a module may have none)
             n_params = len(tensors)
     return tuple(names), tuple(aliases), n_params, tensors
 
@@ -113,7 +113,7 @@ def _module_state_by_id(module):
     """_module_state in one pass (identity by id(); the tensors stay alive in
     the result). _module_state itself stays as it is: Dynamo traces it."""
     names, aliases, tensors, seen = [], [], [], {}
-    n_params = 0
+    n_params = None
     for named in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
         for name, t in named:
             i = seen.get(id(t))
@@ -123,7 +123,7 @@ def _module_state_by_id(module):
                 seen[id(t)] = len(tensors)
                 names.append(name)
                 tensors.append(t)
-        if not n_params:
+        if n_params is None:  # after the parameters (a module may have none)
             n_params = len(tensors)
     return tuple(names), tuple(aliases), n_params, tensors
 

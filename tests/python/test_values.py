@@ -332,6 +332,20 @@ def test_module_buffers_declared_mutable_batchnorm_in_train_mode(backend):
     assert bn.num_batches_tracked.item() == reference.num_batches_tracked.item() == 3
 
 
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_a_module_with_buffers_only_declared_mutable(backend):
+    # No parameters: its buffers must still be the mutable part (they were
+    # counted as parameters, and BatchNorm's update was undeclared mutation).
+    torch._dynamo.reset()
+    bn, reference = nn.BatchNorm1d(3, affine=False).double(), nn.BatchNorm1d(3, affine=False).double()
+    run = _normalize if backend is None else torch.compile(_normalize, backend=backend, fullgraph=True)
+    for _ in range(2):
+        x = torch.randn(8, 3, dtype=torch.float64)
+        torch.testing.assert_close(run(x, bn), reference(x).relu())
+    torch.testing.assert_close(bn.running_mean, reference.running_mean)
+    assert bn.num_batches_tracked.item() == 2
+
+
 def test_undeclared_in_place_change_of_a_module_buffer_names_it():
     bn = nn.BatchNorm1d(3)
     leaf = _leaf(lambda x, bn: bn(x), lambda x, bn: torch.empty_like(x))
