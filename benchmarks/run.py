@@ -22,6 +22,7 @@ import time
 import torch
 
 import cpp_bench
+import module_args
 import overhead
 import report
 
@@ -83,6 +84,9 @@ def main():
     log("Python per-call times")
     results = overhead.run(settings, log=log)
 
+    log("Large module argument (python benchmarks/module_args.py runs only this)")
+    module = module_args.run(quick=args.quick, log=log)
+
     log("Memory")
     memory = run_memory(args.quick)
 
@@ -93,7 +97,12 @@ def main():
         md_path, plot_path = os.path.join(out_dir, "BENCHMARKS.md"), os.path.join(out_dir, "overhead.png")
         plot_name = "overhead.png"
         with open(os.path.join(out_dir, "results.json"), "w") as f:
-            json.dump({"python": report.results_as_json(results), "cpp": cpp, "memory": memory}, f, indent=1)
+            json.dump({
+                "python": report.results_as_json(results),
+                "module": {f"{mode}/{impl}": t.as_dict() for (mode, impl), t in module.items()},
+                "cpp": cpp,
+                "memory": memory,
+            }, f, indent=1)
     else:
         md_path, plot_path = os.path.join(ROOT, "BENCHMARKS.md"), os.path.join(ROOT, "docs", "overhead.png")
         plot_name = "docs/overhead.png"
@@ -111,6 +120,7 @@ def main():
         cpp=cpp,
         cpp_error=cpp_error,
         memory=memory,
+        module=module,
         targets=targets,
         plot_name=plot_name,
         load=(load_start, os.getloadavg()[0]),

@@ -18,7 +18,8 @@ def test_quick_benchmark_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     table = (tmp_path / "BENCHMARKS.md").read_text()
     torchleaf_rows = [line for line in table.splitlines() if line.startswith("| torchleaf |")]
-    assert len(torchleaf_rows) == 2, table  # small and medium bodies
+    assert len(torchleaf_rows) == 3, table  # small and medium bodies, large module
+    assert "### large module:" in table
     for row in torchleaf_rows:
         assert "not supported" not in row, row
     assert "| torchleaf leaf |" in table  # C++ and memory rows

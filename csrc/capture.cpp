@@ -627,6 +627,9 @@ TensorList run_real(
       }
     }
   }
+  // The outputs as the caller gets them (copies included) against what the
+  // fake gave when a graph of this call was traced, if one was.
+  entry.fake_outputs.check(entry, site.plan, inputs, outputs);
   return outputs;
 }
 

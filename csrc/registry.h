@@ -13,6 +13,8 @@
 #include <torchleaf/export.h>
 #include <torchleaf/leaf.h>
 
+#include "output_check.h"
+
 namespace torchleaf {
 
 // What one call hands a leaf's implementation besides its tensors, and what
@@ -56,6 +58,10 @@ struct TORCHLEAF_API LeafEntry : std::enable_shared_from_this<LeafEntry> {
   // the generic torchleaf::call operator.
   std::optional<c10::OperatorHandle> named_op;
   std::unique_ptr<torch::Library> library;
+  // What the fake returned when traced calls were traced, checked against
+  // every real call's outputs (output_check.h). Mutable: filled in as graphs
+  // are traced, with its own lock.
+  mutable FakeOutputRecords fake_outputs;
 
   bool has_named_op() const {
     return named_op.has_value();

@@ -259,8 +259,14 @@ TensorList call_fake(
     const LeafEntry& entry,
     at::TensorList inputs,
     at::TensorList mutated,
-    CallSite& site) {
-  return run_fake(entry, merge_inputs(entry, inputs, mutated).tensors, site);
+    CallSite& site,
+    bool strides_relied_on) {
+  auto flat = merge_inputs(entry, inputs, mutated);
+  auto outputs = run_fake(entry, flat.tensors, site);
+  // Every fake kernel comes here when a graph is traced: what the graph will
+  // assume about this call's outputs, checked on every real call (run_real).
+  entry.fake_outputs.record(site.plan, flat.tensors, outputs, strides_relied_on);
+  return outputs;
 }
 
 namespace {

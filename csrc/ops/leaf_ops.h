@@ -94,11 +94,15 @@ TORCHLEAF_API TensorList call_real(
     at::TensorList inputs,
     at::TensorList mutated,
     CallSite& site);
+// `strides_relied_on`: the caller compiles code that relies on the fake
+// outputs' strides (Inductor), which the real calls are then checked against
+// (output_check.h).
 TORCHLEAF_API TensorList call_fake(
     const LeafEntry& entry,
     at::TensorList inputs,
     at::TensorList mutated,
-    CallSite& site);
+    CallSite& site,
+    bool strides_relied_on = false);
 
 // The Autograd kernel's work for any leaf operator. Returns nullopt when no
 // gradient is needed: the caller then redispatches below Autograd.

@@ -210,10 +210,11 @@ py::object call(
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
-py::list run_fake(int64_t leaf, int64_t plan, const TensorList& inputs, const TensorList& mutated) {
+py::list run_fake(int64_t leaf, int64_t plan, const TensorList& inputs, const TensorList& mutated,
+                  bool strides_relied_on) {
   HANDLE_TH_ERRORS
   CallSite site{plan};
-  return wrap_tensors(ops::call_fake(*get_leaf(leaf), inputs, mutated, site));
+  return wrap_tensors(ops::call_fake(*get_leaf(leaf), inputs, mutated, site, strides_relied_on));
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
@@ -284,9 +285,11 @@ PYBIND11_MODULE(_C, m) {
         "C++ work.");
 
   m.def("run_fake", &run_fake, py::arg("leaf"), py::arg("plan"), py::arg("inputs"),
-        py::arg("mutated"),
+        py::arg("mutated"), py::arg("strides_relied_on") = false,
         "Run a leaf's fake implementation for a call of `plan` (the fake "
-        "kernel of every torchleaf operator).");
+        "kernel of every torchleaf operator). The outputs' metadata is "
+        "recorded for the check of real calls, their strides only when "
+        "`strides_relied_on` (Inductor's lowering).");
   m.def("named_leaves", &torchleaf::python::named_leaves,
         "[(id, 'ns::name', mutable positions)] for every C++ leaf with a named "
         "operator.");

@@ -24,6 +24,7 @@ import functools
 import inspect
 import itertools
 import json
+import operator
 import threading
 import weakref
 
@@ -60,6 +61,7 @@ class _ModuleHandle:
     def __init__(self, module, structure):
         self.value = next(_handle_values) if module is not None else 0
         self.tensor = torch.tensor(self.value, dtype=torch.int64)
+        self.view = None  # the module's _ModuleView, once an eager call or a graph ran with it
         if module is None:
             return
         value = self.value
@@ -93,7 +95,7 @@ def _module_state(module):
     (name, index) for every further name of one of them (tied weights, a
     submodule used twice)."""
     names, aliases, tensors = [], [], []
-    n_params = 0
+    n_params = None
     for named in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
         for name, t in named:
             for i, seen in enumerate(tensors):
@@ -103,16 +105,161 @@ def _module_state(module):
             else:
                 names.append(name)
                 tensors.append(t)
-        if not n_params:
+        if n_params is None:  # after the parameters (a module may have none)
+            n_params = len(tensors)
+    return tuple(names), tuple(aliases), n_params, tensors
+
+
+def _module_state_by_id(module):
+    """_module_state in one pass (identity by id(); the tensors stay alive in
+    the result). _module_state itself stays as it is: Dynamo traces it."""
+    names, aliases, tensors, seen = [], [], [], {}
+    n_params = None
+    for named in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
+        for name, t in named:
+            i = seen.get(id(t))
+            if i is not None:
+                aliases.append((name, i))
+            else:
+                seen[id(t)] = len(tensors)
+                names.append(name)
+                tensors.append(t)
+        if n_params is None:  # after the parameters (a module may have none)
             n_params = len(tensors)
     return tuple(names), tuple(aliases), n_params, tensors
 
 
 def _module_structure(module):
     """(structure, tensors): what a plan keys on for a module argument."""
-    names, aliases, n_params, tensors = _module_state(module)
+    names, aliases, n_params, tensors = _module_state_by_id(module)
     cls = type(module)
     return (cls.__module__, cls.__qualname__, names, aliases, n_params), tensors
+
+
+# ------------------------------------------------------------ module views
+# A module argument costs what its parameters cost: each one is an operator
+# input, and the real function runs with the call's tensors in their places.
+# Walking the module (named_parameters, PyTorch's _reparametrize_module) for
+# every call cost milliseconds for a few hundred parameters, so what a walk
+# finds is kept in a _ModuleView on the module's handle: the structure, the
+# tensors, and where each name lives (its owner's _parameters or _buffers
+# dict). A call checks that nothing changed -- every submodule, dict and
+# tensor is still the one seen, by identity, at C speed -- and walks again
+# only when something did.
+_is = operator.is_
+_dict_get = dict.get
+_dict_set = dict.__setitem__
+_get_version = operator.attrgetter("_version")
+_get_parameters = operator.attrgetter("_parameters")
+_get_buffers = operator.attrgetter("_buffers")
+_get_modules = operator.attrgetter("_modules")
+
+
+class _ModuleView:
+    """One walk of a module: its structure and tensors (as _module_structure
+    gives them), where to put the call's tensors, and what to re-check. It
+    holds the module's submodules, dicts and tensors, never the module
+    itself (it lives on the module's handle)."""
+
+    __slots__ = (
+        "structure", "tensors", "slot_dicts", "slot_keys", "slot_index", "slot_names",
+        "submodules", "parameters", "buffers", "children", "dicts", "lengths",
+        "entry_dicts", "entry_keys", "entry_values",
+    )
+
+    def __init__(self, module):
+        submodules, entry_dicts, entry_keys, entry_values = [], [], [], []
+        where = {}  # name -> (owner dict, key)
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            if sub is not module:
+                submodules.append(sub)
+            dot = prefix + "." if prefix else ""
+            for d in (sub._parameters, sub._buffers):
+                for key, t in d.items():
+                    entry_dicts.append(d)
+                    entry_keys.append(key)
+                    entry_values.append(t)
+                    if t is not None:
+                        where[dot + key] = (d, key)
+            for key, child in sub._modules.items():
+                entry_dicts.append(sub._modules)
+                entry_keys.append(key)
+                entry_values.append(child)
+        self.submodules = submodules
+        everything = [module, *submodules]
+        self.parameters = list(map(_get_parameters, everything))
+        self.buffers = list(map(_get_buffers, everything))
+        self.children = list(map(_get_modules, everything))
+        self.dicts = self.parameters + self.buffers + self.children
+        self.lengths = list(map(len, self.dicts))
+        self.entry_dicts, self.entry_keys, self.entry_values = entry_dicts, entry_keys, entry_values
+        # The structure as every other path computes it (named_parameters may
+        # be overridden); slots only when the walk found every name there.
+        self.structure, self.tensors = _module_structure(module)
+        names, aliases = self.structure[2], self.structure[3]
+        dicts, keys, index, slot_names, owners = [], [], [], [], set()
+        for name, i in itertools.chain(((name, i) for i, name in enumerate(names)), aliases):
+            found = where.get(name)
+            if found is None:
+                self.slot_dicts = None  # not a plain module: bound by name
+                return
+            d, key = found
+            # A name of an attribute that another name already sets (one
+            # submodule used twice) is set once.
+            if (id(d), key) not in owners:
+                owners.add((id(d), key))
+                dicts.append(d)
+                keys.append(key)
+                index.append(i)
+                slot_names.append(name)
+        self.slot_dicts, self.slot_keys, self.slot_index, self.slot_names = dicts, keys, index, slot_names
+
+    def unchanged(self, module):
+        """Whether `module` still has exactly what the walk saw: the same
+        submodules, dicts and tensors, and nothing added."""
+        everything = (module, *self.submodules)
+        return (
+            all(map(_is, map(_get_parameters, everything), self.parameters))
+            and all(map(_is, map(_get_buffers, everything), self.buffers))
+            and all(map(_is, map(_get_modules, everything), self.children))
+            and list(map(len, self.dicts)) == self.lengths
+            and all(map(_is, map(_dict_get, self.entry_dicts, self.entry_keys), self.entry_values))
+        )
+
+
+def _own_handle(module):
+    """The module's handle if it names this module (not the original of a
+    shallow copy), else None."""
+    handle = module.__dict__.get(_HANDLE_ATTR)
+    if handle is not None:
+        ref = _MODULES.get(handle.value)
+        if ref is not None and ref() is module:
+            return handle
+    return None
+
+
+class _CheckedArguments(list):
+    """An eager call's flat arguments, with the views of its modules that
+    the call checked when it made its plan: its real function, moments later
+    (only C++ runs in between), uses them rather than checking again."""
+
+    __slots__ = ("views",)
+
+    def __init__(self, flat, views):
+        super().__init__(flat)
+        self.views = views
+
+
+def _module_view(module, handle=None):
+    """The module's view, walked again when the module changed."""
+    if handle is None:
+        handle = _own_handle(module)
+    view = handle.view if handle is not None else None
+    if view is None or not view.unchanged(module):
+        view = _ModuleView(module)
+        if handle is not None:
+            handle.view = view
+    return view
 
 
 # Handles made while Dynamo traced a module that had none (_sight_module),
@@ -126,11 +273,9 @@ _PENDING = weakref.WeakKeyDictionary()  # module -> _ModuleHandle
 def _handle_of(module, structure):
     """The module's handle, made on first sight (or after a copy or unpickling
     left it with one that names another module)."""
-    handle = module.__dict__.get(_HANDLE_ATTR)
+    handle = _own_handle(module)
     if handle is not None:
-        ref = _MODULES.get(handle.value)
-        if ref is not None and ref() is module:
-            return handle
+        return handle
     handle = _PENDING.pop(module, None) or _ModuleHandle(module, structure)
     module.__dict__[_HANDLE_ATTR] = handle
     return handle
@@ -390,7 +535,7 @@ class _Plan:
         self.out_dtypes = None
 
     def rebuild(self, leaf, tensors, arguments, fake):
-        """(args, kwargs, [(module, {name: tensor})]) for one call."""
+        """(args, kwargs, [(module, structure, tensors, kind)]) for one call."""
         flat = list(arguments) if arguments is not None else list(self.template)
         k = 0
         modules = []
@@ -438,10 +583,7 @@ class _Plan:
             # The same module passed twice is bound once: its first slot's
             # tensors go unused (zero gradients, which add up right).
             bindings = [b for b in bindings if b[0] is not module]
-            mapping = dict(zip(structure[2], own))
-            if structure[3]:
-                _add_aliases(module, mapping, structure[2], structure[3], own)
-            bindings.append((module, mapping, kind))
+            bindings.append((module, structure, own, kind))
         args, kwargs = pytree.tree_unflatten(flat, self.spec)
         return args, kwargs, bindings
 
@@ -481,45 +623,122 @@ def _invoke(leaf, fn, plan, tensors, arguments, fake):
     args, kwargs, bindings = plan.rebuild(leaf, tensors, arguments, fake)
     if not bindings:
         return fn(*args, **kwargs)
-    stack = []
-    # In-place changes to a module's tensors are the C++ core's undeclared
-    # mutation error too, but only Python knows their names.
-    versions = [
-        [(name, t, t._version) for name, t in mapping.items() if not t.is_inference()]
-        if kind == _IN_MODULE else ()
-        for _, mapping, kind in bindings
-    ]
+    checked = arguments.views if type(arguments) is _CheckedArguments else ()
+    binders = []
+    for module, structure, own, kind in bindings:
+        view = next((v for m, v in checked if m is module), None)
+        binders.append(_Binder(module, structure, own, kind, view))
+    entered = []
     try:
-        for module, mapping, _ in bindings:
+        for binder in binders:
+            binder.enter()
+            entered.append(binder)
+        out = fn(*args, **kwargs)
+    finally:
+        while entered:
+            entered.pop().exit()
+    for binder in binders:
+        binder.check(leaf)
+    return out
+
+
+class _Binder:
+    """Runs the function with one module's parameters and buffers replaced by
+    the call's tensors: written straight into the dicts that hold them (the
+    module's view says where), restored afterwards. A module whose view
+    cannot say (named_parameters overridden, or a structure other than the
+    plan's) goes through PyTorch's _reparametrize_module by name."""
+
+    __slots__ = ("module", "structure", "own", "kind", "view", "new", "old", "versions", "replaced", "ctx", "mapping")
+
+    def __init__(self, module, structure, own, kind, view=None):
+        self.module, self.structure, self.own, self.kind = module, structure, own, kind
+        if view is None:
+            view = _module_view(module)
+        if view.slot_dicts is None or (view.structure is not structure and view.structure != structure):
+            view = None
+        self.view = view
+        self.replaced = None
+        self.ctx = None
+        # In-place changes to a module's tensors are the C++ core's undeclared
+        # mutation error too, but only Python knows their names.
+        self.versions = None
+        if kind == _IN_MODULE:
+            try:
+                self.versions = list(map(_get_version, own))
+            except RuntimeError:  # inference tensors have no version counter
+                self.versions = [None if t.is_inference() else t._version for t in own]
+
+    def enter(self):
+        view = self.view
+        if view is None:
+            mapping = dict(zip(self.structure[2], self.own))
+            if self.structure[3]:
+                _add_aliases(self.module, mapping, self.structure[2], self.structure[3], self.own)
+            self.mapping = mapping
             # Not strict: a name of an attribute that another name of the
             # mapping already sets is left out (see _add_aliases).
-            ctx = _reparametrize_module(module, mapping, tie_weights=False, strict=False)
-            ctx.__enter__()
-            stack.append(ctx)
-        out = fn(*args, **kwargs)
-        for (module, mapping, kind), before in zip(bindings, versions):
-            for name, t, version in before:
-                if t._version != version:
+            self.ctx = _reparametrize_module(self.module, mapping, tie_weights=False, strict=False)
+            self.ctx.__enter__()
+            return
+        own = self.own
+        self.new = [own[i] for i in view.slot_index]
+        self.old = list(map(_dict_get, view.slot_dicts, view.slot_keys))
+        for _ in map(_dict_set, view.slot_dicts, view.slot_keys, self.new):
+            pass
+
+    def exit(self):
+        if self.ctx is not None:
+            try:
+                current = dict(self.module.named_parameters(remove_duplicate=False))
+                current.update(self.module.named_buffers(remove_duplicate=False))
+                for name, tensor in self.mapping.items():
+                    if current.get(name) is not tensor:
+                        self.replaced = name
+                        break
+            finally:
+                self.ctx.__exit__(None, None, None)
+            return
+        view = self.view
+        dicts, keys = view.slot_dicts, view.slot_keys
+        if not all(map(_is, map(_dict_get, dicts, keys), self.new)):
+            for name, d, key, t in zip(view.slot_names, dicts, keys, self.new):
+                if d.get(key) is not t:
+                    self.replaced = name
+                    break
+        for _ in map(_dict_set, dicts, keys, self.old):
+            pass
+        if self.replaced is None and not view.unchanged(self.module):
+            # Something else changed during the call (a submodule assigned):
+            # compare by name, as the function saw the module.
+            current = dict(self.module.named_parameters(remove_duplicate=False))
+            current.update(self.module.named_buffers(remove_duplicate=False))
+            for name, i in itertools.chain(((n, i) for i, n in enumerate(self.structure[2])), self.structure[3]):
+                if current.get(name) is not view.tensors[i]:
+                    self.replaced = name
+                    break
+
+    def check(self, leaf):
+        if self.versions is not None:
+            try:
+                changed = list(map(_get_version, self.own)) != self.versions
+            except RuntimeError:  # inference tensors: compare one by one
+                changed = True
+            for name, t, version in zip(self.structure[2], self.own, self.versions) if changed else ():
+                if version is not None and t._version != version:
                     raise LeafFunctionError(
                         f"torchleaf: leaf function '{leaf._name}' changed '{name}' of its "
-                        f"{type(module).__name__} argument in place without declaring it. Name that "
+                        f"{type(self.module).__name__} argument in place without declaring it. Name that "
                         f"argument in mutates_args (its buffers may then change in place, e.g. "
                         f"BatchNorm's running statistics; its parameters never), or clone first."
                     )
-            current = dict(module.named_parameters(remove_duplicate=False))
-            current.update(module.named_buffers(remove_duplicate=False))
-            for name, tensor in mapping.items():
-                if current.get(name) is not tensor:
-                    raise LeafFunctionError(
-                        f"torchleaf: leaf function '{leaf._name}' replaced '{name}' of its "
-                        f"{type(module).__name__} argument. The module's parameters and buffers "
-                        f"are the leaf's inputs and must not be reassigned inside it; return the "
-                        f"new value instead."
-                    )
-        return out
-    finally:
-        while stack:
-            stack.pop().__exit__(None, None, None)
+        if self.replaced is not None:
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{leaf._name}' replaced '{self.replaced}' of its "
+                f"{type(self.module).__name__} argument. The module's parameters and buffers "
+                f"are the leaf's inputs and must not be reassigned inside it; return the "
+                f"new value instead."
+            )
 
 
 # ------------------------------------------------------------------ autocast
@@ -916,7 +1135,9 @@ def _named_fake(inputs, *rest):
             f"torchleaf: leaf function '{name}' is not defined in this process; import the module "
             f"that defines it (@torchleaf.leaf_function(name={name!r})) first."
         )
-    return _C.run_fake(leaf._id, _plan_for_call(leaf._id, call), list(inputs), mutated)
+    from ._registration import _strides_relied_on
+
+    return _C.run_fake(leaf._id, _plan_for_call(leaf._id, call), list(inputs), mutated, _strides_relied_on())
 
 
 # ------------------------------------------------------------------ decorator
@@ -1107,15 +1328,22 @@ class LeafFunction:
         key = []
         module_tensors = []
         handles = []
+        views = []
         for x in flat:
             if isinstance(x, _Tensor):
                 key.append(_TENSOR)
             elif isinstance(x, nn.Module):
-                structure, tensors = _module_structure(x)
-                key.append((_MODULE_KEY, structure))
-                module_tensors.append(tensors)
-                handle = _handle_of(x, structure)  # also on eager calls: later traces need it
+                handle = _own_handle(x)
+                if handle is None:  # made on eager calls too: later traces need it
+                    view = _ModuleView(x)
+                    handle = _handle_of(x, view.structure)
+                    handle.view = view
+                else:
+                    view = _module_view(x, handle)
+                key.append((_MODULE_KEY, view.structure))
+                module_tensors.append(view.tensors)
                 handles.append(handle.tensor)
+                views.append((x, view))
             elif traced and _is_ndarray(x):
                 key.append(_NDARRAY)
             elif traced:
@@ -1146,7 +1374,10 @@ class LeafFunction:
             inputs.extend(handles)
         if plan.mutated:
             _check_read_and_mutated(self, flat, plan.slots, plan.mutated, plan.index)
-        return plan, inputs, [flat[pos] for pos in plan.mutated] + mutable_buffers
+        # An eager call's runner gets the views checked here with the call's
+        # own arguments (C++ hands them back to it unchanged).
+        arguments = _CheckedArguments(flat, views) if views and not traced else flat
+        return plan, inputs, [flat[pos] for pos in plan.mutated] + mutable_buffers, arguments
 
     # -- calls
     def __call__(self, *args, **kwargs):
@@ -1171,8 +1402,8 @@ class LeafFunction:
         flat, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, _Tensor)]
         if not _tracing_active(tensors):
-            plan, inputs, mutated = self._plan_for(flat, spec, traced=False)
-            result = _C.call(self._id, plan.index, inputs, mutated, flat)
+            plan, inputs, mutated, arguments = self._plan_for(flat, spec, traced=False)
+            result = _C.call(self._id, plan.index, inputs, mutated, arguments)
             if result is not None:
                 outputs, desc = result
                 return _decode(desc, outputs)
@@ -1181,7 +1412,7 @@ class LeafFunction:
         if torch.compiler.is_exporting():
             return self._exported_call(flat, spec)
         self._check_no_sharded_modules(flat)
-        plan, inputs, mutated = self._plan_for(flat, spec, traced=True)
+        plan, inputs, mutated, _ = self._plan_for(flat, spec, traced=True)
         outputs, desc = _C.call(self._id, plan.index, inputs, mutated, None)
         return _decode(desc if desc is not None else plan.out, outputs)
 

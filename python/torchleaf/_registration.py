@@ -3,6 +3,8 @@ fake kernels (so FakeTensorMode runs user fakes with full symbolic-shape
 support, unbacked sizes included), and what keeps calls from being
 dead-code-eliminated or reordered."""
 
+import sys
+
 import torch
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 from torch.fx.node import has_side_effect
@@ -19,10 +21,23 @@ for _dtype in (
     _DTYPES[_C.scalar_type_code(torch.empty(0, dtype=_dtype))] = _dtype
 
 
+def _strides_relied_on():
+    """Whether Inductor is lowering a graph now. It asserts the strides of its
+    extern kernels' outputs (assert_size_stride), so real calls are checked
+    against the fake's strides only when such a trace recorded them; other
+    graphs run with whatever layout the real function returns."""
+    graph = sys.modules.get("torch._inductor.graph")
+    if graph is None:
+        return False
+    from torch._inductor.virtualized import _graph
+
+    return isinstance(_graph._get_handler(check_poisoned=False), graph.GraphLowering)
+
+
 # One fake for every leaf operator: the core runs the leaf's fake (a Python
 # leaf's through its trampoline, a C++ leaf's directly).
 def _fake_call(leaf, plan, inputs):
-    return _C.run_fake(leaf, plan, list(inputs), [])
+    return _C.run_fake(leaf, plan, list(inputs), [], _strides_relied_on())
 
 
 def _fake_forward(leaf, plan, inputs, differentiable):
@@ -30,7 +45,7 @@ def _fake_forward(leaf, plan, inputs, differentiable):
 
 
 def _fake_call_mutating(leaf, plan, inputs, mutated):
-    return _C.run_fake(leaf, plan, list(inputs), list(mutated))
+    return _C.run_fake(leaf, plan, list(inputs), list(mutated), _strides_relied_on())
 
 
 def _fake_forward_mutating(leaf, plan, inputs, mutated, differentiable):
@@ -134,7 +149,7 @@ def sync_cpp_leaves():
     for leaf_id, name, mutable in _C.named_leaves():
 
         def fake(inputs, mutated=(), _id=leaf_id):
-            return _C.run_fake(_id, 0, list(inputs), list(mutated))
+            return _C.run_fake(_id, 0, list(inputs), list(mutated), _strides_relied_on())
 
         if _register_named(name, fake, bool(mutable)):
             _functorch.register_named_rule(name, bool(mutable))

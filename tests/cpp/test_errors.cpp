@@ -4,6 +4,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/forward_grad.h>
 
+#include "csrc/ops/leaf_ops.h"
+#include "csrc/registry.h"
+
 using torchleaf::TensorList;
 
 namespace {
@@ -221,4 +224,44 @@ TEST(Errors, ForwardModeTangentsAreRefusedNotDropped) {
   }
   EXPECT_EQ(torchleaf::live_states(), 0);
   EXPECT_TRUE(torch::allclose(leaf({x})[0], (x * 3).sin()));
+}
+
+// A named operator's real outputs are checked against what its fake gave when
+// a graph was traced (here: the fake kernel run on the same inputs, as
+// torch.compile runs it on fake tensors of them), with validation off.
+TEST(Errors, RealOutputsAreCheckedAgainstTheTracedFake) {
+  const auto name = unique_name("wrong_fake");
+  auto leaf = torchleaf::define_leaf(
+      name, [](const TensorList& in) { return TensorList{in[0].sum(0)}; }, twice_fake);
+  auto x = torch::ones({2, 3});
+  EXPECT_EQ(leaf({x})[0].sizes(), at::IntArrayRef({3})); // nothing traced: runs
+  auto entry = torchleaf::find_leaf_entry(name);
+  torchleaf::CallSite site;
+  torchleaf::ops::call_fake(*entry, {x}, {}, site);
+  EXPECT_THROW_WITH(
+      leaf({x}),
+      "output 0 has 1-d shape [3] but the fake implementation returned 2-d shape [2, 3] when the "
+      "graph was traced");
+  EXPECT_THROW(leaf({x.requires_grad_()}), torchleaf::LeafError); // the eager autograd path too
+  // Inputs no trace saw are not checked; the error left nothing behind.
+  EXPECT_EQ(leaf({torch::ones({4, 3})})[0].sizes(), at::IntArrayRef({3}));
+  EXPECT_EQ(torchleaf::live_states(), 0);
+}
+
+TEST(Errors, OutputStridesAreCheckedOnlyWhereATraceReliesOnThem) {
+  const auto name = unique_name("wrong_strides");
+  auto leaf = torchleaf::define_leaf(
+      name, [](const TensorList& in) { return TensorList{(in[0] * 2).t()}; },
+      [](const TensorList& in) { return TensorList{at::empty({in[0].size(1), in[0].size(0)}, in[0].options())}; });
+  auto x = torch::ones({2, 3});
+  auto entry = torchleaf::find_leaf_entry(name);
+  torchleaf::CallSite site;
+  torchleaf::ops::call_fake(*entry, {x}, {}, site); // aot_eager-like: no opinion on strides
+  EXPECT_EQ(leaf({x})[0].strides(), at::IntArrayRef({1, 3}));
+  torchleaf::ops::call_fake(*entry, {x}, {}, site, /*strides_relied_on=*/true); // Inductor-like
+  EXPECT_THROW_WITH(
+      leaf({x}), "output 0 has strides [1, 3] (shape [3, 2]) but the fake implementation returned strides [2, 1]");
+  // A column-major input is another input layout: no trace saw its strides.
+  auto y = torch::ones({2, 3}).t().contiguous().t();
+  EXPECT_EQ(leaf({y})[0].sizes(), at::IntArrayRef({3, 2}));
 }

@@ -57,6 +57,13 @@ def fake_device():
         leaf(torch.ones(2))
 
 
+def fake_wrong_in_compiled_graph():
+    # Validation off: the always-on check compares a compiled call's real
+    # outputs with what the fake gave when the graph was traced.
+    leaf = leaf_with_fake(lambda x: x.sum(0), torch.empty_like)
+    torch.compile(lambda x: leaf(x) * 2, backend="aot_eager", fullgraph=True)(torch.ones(2, 3))
+
+
 def undeclared_mutation():
     def bump(x):
         x.add_(1)
@@ -170,6 +177,8 @@ CASES = [
     (fake_shape, LeafFunctionError, r"output 0 has shape \[3\] but its fake implementation gives shape \[2, 3\]"),
     (fake_dtype, LeafFunctionError, r"output 0 has dtype Long but its fake implementation gives dtype Float"),
     (fake_device, LeafFunctionError, r"output 0 is on device cpu but its fake implementation puts it on meta"),
+    (fake_wrong_in_compiled_graph, LeafFunctionError, r"output 0 has 1-d shape \[3\] but the fake implementation "
+     r"returned 2-d shape \[2, 3\] when the graph was traced\. .*Fix the fake implementation"),
     (undeclared_mutation, LeafFunctionError, r"mutated its input 0 .* in place without declaring it"),
     (unknown_mutates_args, LeafFunctionError, r"mutates_args=\['buffer'\], which is not a parameter"),
     (escaped_gradients, LeafFunctionError, r"uses 1 tensor\(s\) that require grad but are not among its inputs"),

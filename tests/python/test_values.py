@@ -225,6 +225,87 @@ def test_weights_tied_across_modules(backend):
     assert lm.emb.weight is weight and lm.head.weight is weight  # the module is left as it was
 
 
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_changes_to_a_module_between_calls_are_seen(backend):
+    # A module's walk is kept between calls and re-checked by identity: every
+    # way of changing what a module holds must reach the next call.
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3)).double()
+    leaf = _leaf(_through, lambda x, m: torch.empty_like(x))
+    run = leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+
+    def check():
+        got = run(x, model)
+        expected = model(x)
+        torch.testing.assert_close(got, expected)
+        params = list(model.parameters())
+        for g, e in zip(torch.autograd.grad(got.sum(), [x, *params]), torch.autograd.grad(expected.sum(), [x, *params])):
+            torch.testing.assert_close(g, e)
+
+    check()
+    model[0] = nn.Linear(3, 3).double()  # a submodule replaced
+    check()
+    model[2].weight = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))  # a parameter replaced
+    check()
+    model[2]._parameters["bias"] = nn.Parameter(torch.randn(3, dtype=torch.float64))  # behind PyTorch's back
+    check()
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # data changed in place, outside the leaf
+    check()
+    if backend is None:  # structure changes (a recompile under torch.compile)
+        model[2].bias = None
+        check()
+        model.append(nn.Linear(3, 3).double())
+        check()
+
+
+def test_modules_the_walk_cannot_place_are_bound_by_name(monkeypatch):
+    # The fallback for modules whose parameters a walk of named_modules does
+    # not find under their names (an overridden named_parameters).
+    from torchleaf import _leaf as leaf_module
+
+    walk = leaf_module._ModuleView.__init__
+
+    def cannot_place(self, module):
+        walk(self, module)
+        self.slot_dicts = None
+
+    monkeypatch.setattr(leaf_module._ModuleView, "__init__", cannot_place)
+    test_modules_with_tied_parameters_and_the_same_module_twice(None)
+    test_changes_to_a_module_between_calls_are_seen(None)
+    test_weights_tied_across_modules(None)
+    test_undeclared_in_place_change_of_a_module_buffer_names_it()
+    with pytest.raises(LeafFunctionError, match=r"replaced 'weight' of its Linear argument"):
+        torchleaf.leaf_function(lambda m, x: setattr(m, "weight", nn.Parameter(m.weight * 0)) or m(x))(
+            nn.Linear(2, 2), torch.ones(1, 2))
+
+
+def test_a_submodule_reassigned_inside_the_leaf_is_an_error():
+    def swaps(x, m):
+        m[0] = nn.Linear(3, 3)
+        return m(x)
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    leaf = torchleaf.leaf_function(swaps)
+    with pytest.raises(LeafFunctionError, match=r"replaced '0\.weight' of its Sequential argument"):
+        leaf(torch.randn(2, 3), model)
+
+
+def test_a_leaf_calling_a_leaf_with_the_same_module():
+    inner = _leaf(_through, lambda x, m: torch.empty_like(x))
+    outer = _leaf(lambda x, m: inner(x, m) * 2 + m(x), lambda x, m: torch.empty_like(x))
+    model = nn.Linear(3, 3).double()
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    for _ in range(2):
+        got = outer(x, model)
+        expected = model(x) * 3
+        torch.testing.assert_close(got, expected)
+        for g, e in zip(torch.autograd.grad(got.sum(), [x, *model.parameters()]),
+                        torch.autograd.grad(expected.sum(), [x, *model.parameters()])):
+            torch.testing.assert_close(g, e)
+
+
 @torchleaf.leaf_function(mutates_args={"bn"})
 def _normalize(x, bn):
     return bn(x).relu()
@@ -250,6 +331,20 @@ def test_module_buffers_declared_mutable_batchnorm_in_train_mode(backend):
     torch.testing.assert_close(bn.running_mean, reference.running_mean)
     torch.testing.assert_close(bn.running_var, reference.running_var)
     assert bn.num_batches_tracked.item() == reference.num_batches_tracked.item() == 3
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_a_module_with_buffers_only_declared_mutable(backend):
+    # No parameters: its buffers must still be the mutable part (they were
+    # counted as parameters, and BatchNorm's update was undeclared mutation).
+    torch._dynamo.reset()
+    bn, reference = nn.BatchNorm1d(3, affine=False).double(), nn.BatchNorm1d(3, affine=False).double()
+    run = _normalize if backend is None else torch.compile(_normalize, backend=backend, fullgraph=True)
+    for _ in range(2):
+        x = torch.randn(8, 3, dtype=torch.float64)
+        torch.testing.assert_close(run(x, bn), reference(x).relu())
+    torch.testing.assert_close(bn.running_mean, reference.running_mean)
+    assert bn.num_batches_tracked.item() == 2
 
 
 def test_undeclared_in_place_change_of_a_module_buffer_names_it():
@@ -402,3 +497,84 @@ def test_outputs_that_do_not_depend_on_the_inputs(backend):
         torch.testing.assert_close(torch.autograd.grad(ones.sum(), x, retain_graph=True)[0], torch.zeros(3))
     got = torch.autograd.grad(doubled.sum() + ones.sum(), x)[0]
     torch.testing.assert_close(got, torch.autograd.grad(expected[0].sum() + expected[1].sum(), x)[0])
+
+# A wrong fake with validation off: every real call of a traced graph is
+# checked against what the fake gave when the graph was traced (rank, sizes,
+# dtype, device, strides), which used to be silent garbage under aot_eager
+# or an Inductor assert that names no leaf.
+# {case: (real function, a correct fake, the error with torch.empty_like as the fake)}
+WRONG_FAKES = {
+    "rank": (
+        lambda x: x.sum(0),
+        lambda x: x.new_empty(x.shape[1]),
+        r"output 0 has 1-d shape \[3\] but the fake implementation returned 2-d shape \[2, 3\]",
+    ),
+    "shape": (
+        lambda x: torch.cat([x, x]),
+        lambda x: x.new_empty(2 * x.shape[0], x.shape[1]),
+        r"output 0 has shape \[4, 3\] but the fake implementation returned shape \[2, 3\]",
+    ),
+    "dtype": (
+        lambda x: x.double(),
+        lambda x: torch.empty_like(x, dtype=torch.float64),
+        r"output 0 has dtype Double but the fake implementation returned dtype Float",
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("wrong", sorted(WRONG_FAKES))
+def test_a_wrong_fake_is_named_on_compiled_calls(backend, requires_grad, wrong):
+    torch._dynamo.reset()
+    real, correct_fake, message = WRONG_FAKES[wrong]
+    leaf = _leaf(real, torch.empty_like)
+    compiled = torch.compile(lambda x: leaf(x) * 2, backend=backend, fullgraph=True)
+    x = torch.randn(2, 3, requires_grad=requires_grad)
+    with pytest.raises(LeafFunctionError, match=r"leaf function '.*<lambda>' " + message + r" when the graph was "
+                       r"traced\. .*Fix the fake implementation"):
+        compiled(x)
+    assert torchleaf.live_states() == 0
+    # The same leaf still runs eagerly (nothing traced there); with a correct
+    # fake it compiles. (A new leaf: Inductor's graph cache keys on the graph,
+    # which does not show the fake's output dtype.)
+    torch.testing.assert_close(leaf(x), real(x))
+    leaf = _leaf(real, correct_fake)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: leaf(x) * 2, backend=backend, fullgraph=True)
+    torch.testing.assert_close(compiled(x), real(x) * 2)
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+def test_a_fake_with_the_wrong_strides_is_named_where_the_graph_relies_on_them(backend):
+    torch._dynamo.reset()
+    real = lambda x: x.relu() * 2  # noqa: E731  (channels_last in, channels_last out)
+    leaf = _leaf(real, lambda x: torch.empty(x.shape))
+    x = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    compiled = torch.compile(lambda x: leaf(x) + 1, backend=backend, fullgraph=True)
+    if backend == "inductor":  # which asserts the strides of the leaf's outputs
+        with pytest.raises(LeafFunctionError, match=r"output 0 has strides \[48, 1, 12, 3\] \(shape \[2, 3, 4, 4\]\) "
+                           r"but the fake implementation returned strides \[48, 16, 4, 1\]"):
+            compiled(x)
+    else:  # aot_eager runs with whatever layout comes back
+        torch.testing.assert_close(compiled(x), real(x) + 1)
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+def test_correct_fakes_pass_the_check_with_dynamic_and_changing_shapes(backend):
+    torch._dynamo.reset()
+
+    def head(x, n):
+        return x[:n].t() * 2, x.sum(1).long()
+
+    def fake(x, n):  # the first output is a transposed (column-major) tensor, as the real one
+        return x.new_empty(min(n, x.shape[0]), x.shape[1]).t(), x.new_empty(x.shape[0], dtype=torch.long)
+
+    leaf = _leaf(head, fake)
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, n: leaf(x, n), backend=backend, fullgraph=True, dynamic=dynamic)
+        for rows, n in ((4, 2), (5, 3), (6, 3), (4, 2), (7, 7)):
+            x = torch.randn(rows, 3)
+            for got, expected in zip(compiled(x, n), head(x, n)):
+                torch.testing.assert_close(got, expected)
