@@ -13,6 +13,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
 
 #include <sstream>
 #include <unordered_map>
@@ -61,6 +62,17 @@ struct InputSink final : public Node {
     return "torchleaf::InputSink";
   }
 
+  // Compiled autograd traces apply() (pure pass-through or the error); its
+  // cache key is whether the sink is active.
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+    args.collect(active_);
+  }
+  variable_list apply_with_saved(
+      const variable_list& inputs,
+      torch::dynamo::autograd::SwapSavedVariables& /*saved*/) override {
+    return apply(variable_list(inputs));
+  }
+
  private:
   LeafEntryPtr entry_;
   bool active_ = false;
@@ -82,6 +94,27 @@ struct LeafRouter final : public Node {
 
   std::string name() const override {
     return entry_->name + "Backward";
+  }
+
+  // Compiled autograd traces apply(): the zeros become graph ops, their
+  // (possibly symbolic) sizes the compiled graph's.
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+    for (const auto& meta : zero_meta_) {
+      args.collect(meta.sizes);
+      args.collect(meta.options);
+    }
+  }
+  variable_list apply_with_saved(
+      const variable_list& inputs,
+      torch::dynamo::autograd::SwapSavedVariables& saved) override {
+    for (auto& meta : zero_meta_) {
+      saved.before(meta.sizes);
+    }
+    auto out = apply(variable_list(inputs));
+    for (auto& meta : zero_meta_) {
+      saved.after(meta.sizes);
+    }
+    return out;
   }
 
  private:

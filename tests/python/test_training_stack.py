@@ -4,6 +4,7 @@ function."""
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import torchleaf
 
@@ -222,3 +223,105 @@ def test_autocast_fake_that_ignores_autocast_is_a_clear_error():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with pytest.raises(torchleaf.LeafFunctionError, match=r"returned a torch.bfloat16 tensor at output 0 under autocast"):
             run(x, w)
+
+
+class _Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2).double()
+
+    def forward(self, x):
+        return _head_leaf(x, self.lin) * 2
+
+
+def _head_body(x, lin):
+    return lin(x).tanh()
+
+
+_head_leaf = torchleaf.leaf_function(_head_body)
+_head_leaf.register_fake(lambda x, lin: x.new_empty(x.shape[0], lin.out_features))
+
+
+def _gradients_of_a_step(step, head, x):
+    head.zero_grad()
+    x.grad = None
+    loss = step(head, x)
+    return loss.detach(), [p.grad.clone() for p in head.parameters()] + [x.grad.clone()]
+
+
+@pytest.mark.parametrize("compiled_autograd", [False, True], ids=["autograd", "compiled_autograd"])
+@pytest.mark.parametrize("backend", ["eager", *COMPILED])
+def test_a_compiled_training_step_that_calls_backward(backend, compiled_autograd):
+    """The whole step compiled, backward inside it (a graph break, after which
+    Dynamo restarts the trace), with modules the leaf has never seen; with
+    compiled autograd also tracing the backward."""
+    torch._dynamo.reset()
+
+    def step(head, x):
+        loss = (head(x) ** 2).sum()
+        loss.backward()
+        return loss
+
+    def plain_step(head, x):
+        loss = ((_head_body(x, head.lin) * 2) ** 2).sum()
+        loss.backward()
+        return loss
+
+    counters.clear()
+    with torch._dynamo.config.patch(compiled_autograd=compiled_autograd):
+        compiled = torch.compile(step, backend=backend)  # reads the flag here
+        for _ in range(2):  # fresh modules of one structure
+            head = _Head()
+            x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+            for _ in range(2):
+                got_loss, got = _gradients_of_a_step(compiled, head, x)
+            want_loss, want = _gradients_of_a_step(plain_step, head, x)
+            torch.testing.assert_close(got_loss, want_loss)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w)
+    assert bool(counters["compiled_autograd"]["captures"]) == compiled_autograd
+
+
+@pytest.mark.parametrize("backend", ["eager", *COMPILED])
+def test_compiled_autograd_through_eager_leaf_calls(backend):
+    """An eager forward (the leaf's graph is attached to the caller's, behind
+    torchleaf's own autograd node) and a backward traced by compiled
+    autograd."""
+    torch._dynamo.reset()
+    counters.clear()
+    leaf = torchleaf.leaf_function(lambda x, y: ((x * 3).sin() * 2, y.detach() + 1))
+    leaf.register_fake(lambda x, y: (torch.empty_like(x), torch.empty_like(y)))
+    x, y = (torch.randn(5, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        backward = torch.compile(lambda loss: loss.backward(), backend=backend)
+        a, b = leaf(x, y)
+        backward((a * b).sum())
+    assert counters["compiled_autograd"]["captures"] >= 1
+    got = x.grad.clone()
+    x.grad = None
+    a, b = (x * 3).sin() * 2, y.detach() + 1
+    (a * b).sum().backward()
+    torch.testing.assert_close(got, x.grad)
+    assert torchleaf.live_states() == 0
+
+
+@pytest.mark.parametrize("backend", ["eager", *COMPILED])
+def test_compiled_autograd_through_a_cpp_leaf(cpp_leaves, backend):
+    ops, _ = cpp_leaves
+    torch._dynamo.reset()
+
+    def step(x, b):
+        loss = ops.scale_bias([x, b])[0].tanh().sum()
+        loss.backward()
+        return loss
+
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    counters.clear()
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        torch.compile(step, backend=backend)(x, b)
+    assert counters["compiled_autograd"]["captures"] >= 1
+    got = (x.grad.clone(), b.grad.clone())
+    x.grad = b.grad = None
+    (x * 2 + b).tanh().sum().backward()
+    torch.testing.assert_close(got, (x.grad, b.grad))

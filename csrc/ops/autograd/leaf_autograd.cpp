@@ -19,6 +19,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
 #include <torch/library.h>
 
 #include <torchleaf/errors.h>
@@ -68,6 +69,14 @@ struct LeafRefusedBackward final : public Node {
 
   std::string name() const override {
     return entry_->name + "RefusedBackward";
+  }
+
+  // Compiled autograd: raises the same error while tracing the backward.
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {}
+  variable_list apply_with_saved(
+      const variable_list& inputs,
+      torch::dynamo::autograd::SwapSavedVariables& /*saved*/) override {
+    return apply(variable_list(inputs));
   }
 
  private:
@@ -176,6 +185,31 @@ struct LeafBackward final : public Node {
 
   void release_variables() override {
     state_.reset(); // frees the captured graph unless a graph still holds it
+  }
+
+  // Compiled autograd traces apply(): the handle becomes an input of the
+  // compiled backward and the call one torchleaf::backward node in it.
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+    TORCHLEAF_CHECK(
+        state_.defined(),
+        entry_->name,
+        "cannot run backward: its autograd state was already released by an "
+        "earlier backward. Pass retain_graph=True to the first backward to "
+        "backpropagate through the same call twice.");
+    args.collect(entry_->id);
+    args.collect(state_);
+    args.collect(differentiable_);
+    args.collect(input_meta_);
+  }
+  variable_list apply_with_saved(
+      const variable_list& inputs,
+      torch::dynamo::autograd::SwapSavedVariables& saved) override {
+    saved.before(state_);
+    saved.before(input_meta_);
+    auto out = apply(variable_list(inputs));
+    saved.after(state_);
+    saved.after(input_meta_);
+    return out;
   }
 
  private:
