@@ -3,7 +3,6 @@
 #include <atomic>
 #include <cctype>
 #include <mutex>
-#include <random>
 #include <shared_mutex>
 #include <unordered_map>
 
@@ -17,15 +16,16 @@ constexpr int kCounterBits = 24;
 // Set in the ids of named (C++) leaves, never in the others.
 constexpr int64_t kNamedBit = int64_t{1} << 62;
 
-int64_t random_prefix() {
-  std::random_device device;
-  std::uniform_int_distribution<int64_t> prefix(1, (int64_t{1} << 37) - 1);
-  return prefix(device);
+uint64_t fnv1a(const std::string& s) {
+  uint64_t hash = 14695981039346656037ull;
+  for (unsigned char c : s) {
+    hash = (hash ^ c) * 1099511628211ull;
+  }
+  return hash;
 }
 
 struct Registry {
-  const int64_t prefix = random_prefix();
-  int64_t next_counter = 0; // under `mutex`
+  std::unordered_map<std::string, int64_t> definitions; // name -> Python leaves so named
   std::shared_mutex mutex;
   std::unordered_map<int64_t, std::shared_ptr<LeafEntry>> by_id;
   std::unordered_map<std::string, int64_t> named; // name -> id
@@ -100,11 +100,7 @@ void LeafEntry::check_input_count(size_t received) const {
 }
 
 int64_t named_leaf_id(const std::string& name) {
-  uint64_t hash = 14695981039346656037ull; // FNV-1a
-  for (unsigned char c : name) {
-    hash = (hash ^ c) * 1099511628211ull;
-  }
-  return kNamedBit | static_cast<int64_t>(hash & (kNamedBit - 1));
+  return kNamedBit | static_cast<int64_t>(fnv1a(name) & (kNamedBit - 1));
 }
 
 void check_name_free(const std::string& name) {
@@ -140,13 +136,24 @@ int64_t register_leaf(std::shared_ptr<LeafEntry> entry) {
     reg.named.emplace(entry->name, entry->id);
     reg.named_order.push_back(entry->id);
   } else {
-    TORCH_CHECK(
-        reg.next_counter < (int64_t{1} << kCounterBits),
-        "torchleaf: more than ",
-        int64_t{1} << kCounterBits,
-        " Python leaf functions were defined in this process; define leaves "
-        "once (at module level) rather than per call.");
-    entry->id = (reg.prefix << kCounterBits) | reg.next_counter++;
+    // The k-th leaf of a name gets hash(name) << kCounterBits | k: the same
+    // id in every process that defines its leaves alike, so that PyTorch's
+    // on-disk compile caches (keyed by graphs, where the id is a constant)
+    // serve warm restarts; never an id a dead leaf had (k only grows).
+    int64_t& k = reg.definitions[entry->name];
+    const int64_t prefix =
+        static_cast<int64_t>(fnv1a(entry->name) & ((uint64_t{1} << 37) - 1)) | 1;
+    do {
+      TORCH_CHECK(
+          k < (int64_t{1} << kCounterBits),
+          "torchleaf: more than ",
+          int64_t{1} << kCounterBits,
+          " Python leaf functions named '",
+          entry->name,
+          "' were defined in this process; define leaves once (at module "
+          "level) rather than per call.");
+      entry->id = (prefix << kCounterBits) | k++;
+    } while (reg.by_id.count(entry->id) != 0); // two names' hashes met
   }
   const int64_t id = entry->id;
   reg.by_id.emplace(id, std::move(entry));

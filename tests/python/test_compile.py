@@ -416,6 +416,48 @@ def test_on_disk_compile_caches_never_mix_leaves(cpp_leaves, tmp_path):
         assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
+_WARM_SCRIPT = r"""
+import sys, torch, torchleaf
+from torch._dynamo.utils import counters
+offset = float(sys.argv[1])
+calls = []
+
+def body(x):  # one name in every process; what it computes differs
+    calls.append(1)
+    return x * 2 + offset
+
+leaf = torchleaf.leaf_function(body)
+leaf.register_fake(torch.empty_like)
+x = torch.randn(8, requires_grad=True)
+out = torch.compile(lambda x: leaf(x).tanh(), backend="inductor", fullgraph=True)(x)
+torch.testing.assert_close(out, (x * 2 + offset).tanh())
+(g,) = torch.autograd.grad(out.sum(), x)
+torch.testing.assert_close(g, 2 * (1 - (x * 2 + offset).tanh() ** 2))
+assert len(calls) == 1
+print("hits", counters["inductor"]["fxgraph_cache_hit"], counters["aot_autograd"]["autograd_cache_hit"])
+"""
+
+
+def test_warm_restarts_hit_the_on_disk_compile_caches(tmp_path):
+    """A Python leaf's id is the same in every process that defines its
+    leaves alike, so a second process finds the first one's compiled graphs
+    on disk; what they call is that process's own leaf."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    hits = []
+    for offset in ("1.0", "5.0"):
+        proc = subprocess.run(
+            [sys.executable, "-c", _WARM_SCRIPT, offset], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        hits.append(proc.stdout.split("hits")[-1].split())
+    assert hits[0] == ["0", "0"]
+    assert int(hits[1][0]) >= 1 and int(hits[1][1]) >= 1, hits
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_changing_int_arguments_stay_symbolic(backend):
     """Dynamo makes an int that changes between calls dynamic; the leaf gets
