@@ -49,7 +49,7 @@ def main():
             steps[f"{backend} fwd+bwd: {name}"] = lambda c=compiled: c(x).backward()
 
     # What the compiled graphs call (see the graphs with TORCH_LOGS=aot_graphs).
-    plan = next(p.index for p in leaf._plans if p.ordered)
+    plan = next(p.index for p in leaf._plans.values() if p.ordered)
     xd, token, grad = x.detach(), _leaf._ORDER_TOKEN, torch.ones(64)
     forward = torch.ops.torchleaf.forward.default
     backward = torch.ops.torchleaf.backward.default

@@ -21,6 +21,7 @@ Calls come in two forms, sharing plans and the rebuild code:
 
 import contextlib
 import functools
+import hashlib
 import inspect
 import itertools
 import json
@@ -497,6 +498,19 @@ _NDARRAY = "\x00torchleaf:ndarray"  # a numpy array a traced call passes as a te
 _FLOAT = "\x00torchleaf:float"  # a float a compiled program passes as a 0-dim tensor
 _INT = "\x00torchleaf:int"  # an int a compiled program passes as a carrier's size
 _NEGATIVE_INT = "\x00torchleaf:-int"
+
+
+_FINGERPRINT_MASK = (1 << 62) - 1
+
+
+def _fingerprint(full_key):
+    """A plan's index: the same for the same call structure in every process.
+    Graphs hold the index as a constant, and PyTorch's on-disk compile caches
+    hand a graph compiled in one process to another whose graph reads alike:
+    the index must then name the same call structure there (constants baked
+    into the plan, which the graph does not show, included)."""
+    digest = hashlib.blake2b(repr(full_key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _FINGERPRINT_MASK
 
 
 class _Plan:
@@ -1189,7 +1203,7 @@ class LeafFunction:
                 f"which {'is not a parameter' if len(unknown) == 1 else 'are not parameters'}; "
                 f"its parameters are {list(self._signature.parameters)}."
             )
-        self._plans = []  # index -> _Plan
+        self._plans = {}  # index (a fingerprint of its call structure) -> _Plan
         self._plan_index = {}  # call key -> _Plan
         self._positional = {}  # arity -> _Plan for all-tensor positional calls
         self._namedtuples = {}  # "module.qualname" -> namedtuple type among outputs
@@ -1316,10 +1330,11 @@ class LeafFunction:
                 len(slots) == len(key) and all(kind == _IN_TENSOR for kind, _, _ in slots)
                 and spec == pytree.tree_structure((tuple(range(len(key))), {}))
             )
-            plan = _Plan(
-                len(self._plans), spec, tuple(template), tuple(slots), tuple(mutated), mode, positional, autocast
-            )
-            self._plans.append(plan)
+            index = _fingerprint(full_key)
+            while index in self._plans:  # two call structures that print alike
+                index = (index + 1) & _FINGERPRINT_MASK
+            plan = _Plan(index, spec, tuple(template), tuple(slots), tuple(mutated), mode, positional, autocast)
+            self._plans[index] = plan
             self._plan_index[full_key] = plan
             return plan
 
