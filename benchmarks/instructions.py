@@ -1,0 +1,145 @@
+"""Where a compiled leaf call's work goes, counted in CPU instructions.
+
+    python benchmarks/instructions.py            # markdown table on stdout
+    python benchmarks/instructions.py --n 100    # fewer calls per stage (faster)
+
+Wall-clock timing on a shared 2-core machine moves by 2x with the load;
+instruction counts do not. Each stage runs in its own process under
+Valgrind's callgrind with instrumentation switched on only around N calls
+(after import, compilation and warm-up), so a row is exactly the
+instructions one call of that stage executes (``Ir / N``). Needs valgrind
+(``apt-get install valgrind``); runs each stage in ~30-60 s.
+
+Stages (small body ``x * 2 + 1`` on 64 floats, compile(aot_eager)):
+
+- the whole compiled fwd+bwd step for the inline body, custom_op and the leaf;
+- the operators the leaf's compiled graphs call, one level down at a time:
+  ``torchleaf.forward`` (called as the FX graph calls it), the Python runner
+  it calls, the body with and without autograd recording, and
+  ``torchleaf.backward`` (forward+backward operators minus forward).
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+
+STAGES = (
+    ("step: plain", "compiled fwd+bwd of the inline body"),
+    ("step: custom_op", "compiled fwd+bwd, torch.library.custom_op"),
+    ("step: torchleaf", "compiled fwd+bwd, leaf function"),
+    ("forward op", "torchleaf.forward as the graph calls it"),
+    ("runner", "the Python runner (_run_real) the forward op calls"),
+    ("body, recording autograd", "the body on an input that requires grad"),
+    ("body", "the body without autograd"),
+    ("forward+backward ops", "torchleaf.forward then torchleaf.backward"),
+    ("empty loop", "the measuring loop itself"),
+)
+
+
+def _stage_callable(name):
+    import torch
+
+    import torchleaf
+    from torchleaf import _leaf
+
+    torch.set_num_threads(1)
+
+    def body(x):
+        return x * 2 + 1
+
+    leaf = torchleaf.leaf_function(body)
+    leaf.register_fake(torch.empty_like)
+
+    @torch.library.custom_op("torchleaf_profile::body", mutates_args=())
+    def custom(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    custom.register_fake(torch.empty_like)
+    custom.register_autograd(lambda ctx, g: g * 2)
+
+    x = torch.randn(64, requires_grad=True)
+    if name.startswith("step: "):
+        fn = {"plain": body, "custom_op": custom, "torchleaf": leaf}[name[len("step: "):]]
+        compiled = torch.compile(lambda x: fn(x).sum(), backend="aot_eager", fullgraph=True)
+        return lambda: compiled(x).backward()
+    compiled = torch.compile(lambda x: leaf(x).sum(), backend="aot_eager", fullgraph=True)
+    compiled(x).backward()
+    plan = next(p.index for p in leaf._plans.values() if p.ordered)
+    xd, token, grad = x.detach(), _leaf._ORDER_TOKEN, torch.ones(64)
+    forward = torch.ops.torchleaf.forward.default
+    backward = torch.ops.torchleaf.backward.default
+    ref = weakref.ref(leaf)
+
+    def forward_backward():
+        _, handle = forward(leaf._id, plan, [xd, token], [0])
+        backward(leaf._id, handle, [grad, None], [6, 0, -1, 1, 64])
+
+    chosen = {
+        "forward op": lambda: forward(leaf._id, plan, [xd, token], [0]),
+        "runner": lambda: _leaf._run_real(ref, plan, [xd, token], None),
+        "body, recording autograd": lambda: body(x),
+        "body": lambda: body(xd),
+        "forward+backward ops": forward_backward,
+        "empty loop": lambda: None,
+    }[name]
+    chosen.keep_alive = leaf  # the runner stage holds it only weakly
+    return chosen
+
+
+def _child(name, n, ready, done):
+    step = _stage_callable(name)
+    for _ in range(50):
+        step()
+    with open(ready, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(3)  # callgrind_control switches instrumentation on
+    for _ in range(n):
+        step()
+    with open(done, "w") as f:
+        f.write("1")
+    time.sleep(2)  # ... and off
+
+
+def _count(name, n):
+    with tempfile.TemporaryDirectory() as tmp:
+        ready, done = os.path.join(tmp, "ready"), os.path.join(tmp, "done")
+        log = os.path.join(tmp, "log")
+        child = subprocess.Popen(
+            ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={tmp}/out",
+             f"--log-file={log}", os.path.realpath(sys.executable), os.path.abspath(__file__),
+             "--child", name, "--n", str(n), "--ready", ready, "--done", done],
+        )
+        for path, command in ((ready, "on"), (done, "off")):
+            while not os.path.exists(path):
+                if child.poll() is not None:
+                    raise RuntimeError(f"stage {name!r} exited early; see {log}")
+                time.sleep(0.2)
+            time.sleep(0.2)
+            subprocess.run(["callgrind_control", "-i", command, str(child.pid)], check=True,
+                           stdout=subprocess.DEVNULL)
+        child.wait()
+        with open(log) as f:
+            refs = [line for line in f if "Collected" in line]
+        return int(refs[-1].split(":")[-1].replace(",", "")) / n
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--child")
+    parser.add_argument("--ready")
+    parser.add_argument("--done")
+    args = parser.parse_args()
+    if args.child:
+        return _child(args.child, args.n, args.ready, args.done)
+    print("| stage | what | instructions per call (thousands) |\n|---|---|---:|")
+    for name, what in STAGES:
+        print(f"| {name} | {what} | {_count(name, args.n) / 1e3:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
