@@ -43,24 +43,11 @@ STAGES = (
 def _stage_callable(name):
     import torch
 
-    import torchleaf
+    from stages import body, leaf_and_custom_op
     from torchleaf import _leaf
 
     torch.set_num_threads(1)
-
-    def body(x):
-        return x * 2 + 1
-
-    leaf = torchleaf.leaf_function(body)
-    leaf.register_fake(torch.empty_like)
-
-    @torch.library.custom_op("torchleaf_profile::body", mutates_args=())
-    def custom(x: torch.Tensor) -> torch.Tensor:
-        return x * 2 + 1
-
-    custom.register_fake(torch.empty_like)
-    custom.register_autograd(lambda ctx, g: g * 2)
-
+    leaf, custom = leaf_and_custom_op("torchleaf_profile")
     x = torch.randn(64, requires_grad=True)
     if name.startswith("step: "):
         fn = {"plain": body, "custom_op": custom, "torchleaf": leaf}[name[len("step: "):]]
@@ -130,6 +117,7 @@ def _count(name, n):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--stages", help="comma-separated stage names (default: all)")
     parser.add_argument("--child")
     parser.add_argument("--ready")
     parser.add_argument("--done")
@@ -137,7 +125,10 @@ def main():
     if args.child:
         return _child(args.child, args.n, args.ready, args.done)
     print("| stage | what | instructions per call (thousands) |\n|---|---|---:|")
+    chosen = args.stages.split(",") if args.stages else [name for name, _ in STAGES]
     for name, what in STAGES:
+        if name not in chosen:
+            continue
         print(f"| {name} | {what} | {_count(name, args.n) / 1e3:.1f} |", flush=True)
 
 

@@ -28,17 +28,24 @@ def body(x):
     return x * 2 + 1
 
 
-def main():
-    torch.set_num_threads(1)
+def leaf_and_custom_op(namespace):
+    """The body as a leaf and as a torch.library.custom_op (in ``namespace``)
+    with a hand-written backward."""
     leaf = torchleaf.leaf_function(body)
     leaf.register_fake(torch.empty_like)
 
-    @torch.library.custom_op("torchleaf_stages::body", mutates_args=())
+    @torch.library.custom_op(f"{namespace}::body", mutates_args=())
     def custom(x: torch.Tensor) -> torch.Tensor:
         return x * 2 + 1
 
     custom.register_fake(torch.empty_like)
     custom.register_autograd(lambda ctx, g: g * 2)
+    return leaf, custom
+
+
+def main():
+    torch.set_num_threads(1)
+    leaf, custom = leaf_and_custom_op("torchleaf_stages")
 
     x = torch.randn(64, requires_grad=True)
     steps = {}

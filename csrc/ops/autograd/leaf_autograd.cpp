@@ -133,12 +133,7 @@ struct LeafBackward final : public Node {
         input_meta_(std::move(input_meta)) {}
 
   variable_list apply(variable_list&& grads) override {
-    TORCHLEAF_CHECK(
-        state_.defined(),
-        entry_->name,
-        "cannot run backward: its autograd state was already released by an "
-        "earlier backward. Pass retain_graph=True to the first backward to "
-        "backpropagate through the same call twice.");
+    check_state_alive();
     // Under torch.func's grad transforms (create_graph is always on there)
     // the handle is wrapped; a second derivative is refused by the Autograd
     // kernels of forward and backward instead.
@@ -190,12 +185,7 @@ struct LeafBackward final : public Node {
   // Compiled autograd traces apply(): the handle becomes an input of the
   // compiled backward and the call one torchleaf::backward node in it.
   void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
-    TORCHLEAF_CHECK(
-        state_.defined(),
-        entry_->name,
-        "cannot run backward: its autograd state was already released by an "
-        "earlier backward. Pass retain_graph=True to the first backward to "
-        "backpropagate through the same call twice.");
+    check_state_alive();
     args.collect(entry_->id);
     args.collect(state_);
     args.collect(differentiable_);
@@ -213,6 +203,15 @@ struct LeafBackward final : public Node {
   }
 
  private:
+  void check_state_alive() const {
+    TORCHLEAF_CHECK(
+        state_.defined(),
+        entry_->name,
+        "cannot run backward: its autograd state was already released by an "
+        "earlier backward. Pass retain_graph=True to the first backward to "
+        "backpropagate through the same call twice.");
+  }
+
   LeafEntryPtr entry_;
   at::Tensor state_;
   std::vector<int64_t> differentiable_;
