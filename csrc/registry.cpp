@@ -2,7 +2,9 @@
 
 #include <atomic>
 #include <cctype>
+#include <cstdlib>
 #include <mutex>
+#include <random>
 #include <shared_mutex>
 #include <unordered_map>
 
@@ -24,7 +26,23 @@ uint64_t fnv1a(const std::string& s) {
   return hash;
 }
 
+int64_t random_prefix() {
+  std::random_device device;
+  std::uniform_int_distribution<int64_t> prefix(1, (int64_t{1} << 37) - 1);
+  return prefix(device);
+}
+
+// TORCHLEAF_STABLE_IDS=1: Python leaves get ids that do not depend on the
+// process (see register_leaf).
+bool stable_ids_requested() {
+  const char* value = std::getenv("TORCHLEAF_STABLE_IDS");
+  return value != nullptr && std::string(value) == "1";
+}
+
 struct Registry {
+  const bool stable_ids = stable_ids_requested();
+  const int64_t prefix = random_prefix();
+  int64_t next_counter = 0; // under `mutex`
   std::unordered_map<std::string, int64_t> definitions; // name -> Python leaves so named
   std::shared_mutex mutex;
   std::unordered_map<int64_t, std::shared_ptr<LeafEntry>> by_id;
@@ -135,11 +153,24 @@ int64_t register_leaf(std::shared_ptr<LeafEntry> entry) {
         "' hash to the same leaf id; rename one of them.");
     reg.named.emplace(entry->name, entry->id);
     reg.named_order.push_back(entry->id);
+  } else if (!reg.stable_ids) {
+    // A per-process random prefix: a graph compiled in one process never
+    // calls a leaf of another. PyTorch's on-disk compile caches key graphs by
+    // their text, which shows a call's id and plan but not the shapes its
+    // fake gives, so another process's leaf of the same name and another
+    // fake would get this process's compiled code.
+    TORCH_CHECK(
+        reg.next_counter < (int64_t{1} << kCounterBits),
+        "torchleaf: more than ",
+        int64_t{1} << kCounterBits,
+        " Python leaf functions were defined in this process; define leaves "
+        "once (at module level) rather than per call.");
+    entry->id = (reg.prefix << kCounterBits) | reg.next_counter++;
   } else {
-    // The k-th leaf of a name gets hash(name) << kCounterBits | k: the same
-    // id in every process that defines its leaves alike, so that PyTorch's
-    // on-disk compile caches (keyed by graphs, where the id is a constant)
-    // serve warm restarts; never an id a dead leaf had (k only grows).
+    // Stable ids, asked for by a program that defines the same leaves with
+    // the same fakes in every process: the k-th leaf of a name gets
+    // hash(name) << kCounterBits | k, so that warm restarts find the on-disk
+    // compile caches; never an id a dead leaf had (k only grows).
     int64_t& k = reg.definitions[entry->name];
     const int64_t prefix =
         static_cast<int64_t>(fnv1a(entry->name) & ((uint64_t{1} << 37) - 1)) | 1;

@@ -440,27 +440,34 @@ print("hits", counters["inductor"]["fxgraph_cache_hit"], counters["aot_autograd"
 
 
 def test_warm_restarts_hit_the_on_disk_compile_caches(tmp_path):
-    """A Python leaf's id is the same in every process that defines its
-    leaves alike, so a second process finds the first one's compiled graphs
-    on disk; what they call is that process's own leaf."""
+    """By default a graph with a Python leaf is never reused by another
+    process: PyTorch's on-disk caches key graphs by their text, which does not
+    show the shapes a leaf's fake gives. With TORCHLEAF_STABLE_IDS=1 (every
+    process defines the same leaves with the same fakes) a second process
+    finds the first one's graphs, and what they call is its own leaf; a call
+    with another constant baked into its plan gets graphs of its own."""
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
-    hits = []
-    # The third process passes another constant, which the graph does not
-    # show (it is baked into the call's plan) and which changes the output's
-    # shape: it must not get the others' graphs.
-    for offset, short in (("1.0", "long"), ("5.0", "long"), ("1.0", "short")):
+    def run(offset, short, **env):
         proc = subprocess.run(
-            [sys.executable, "-c", _WARM_SCRIPT, offset, short], env=env, capture_output=True, text=True,
-            timeout=600,
+            [sys.executable, "-c", _WARM_SCRIPT, offset, short],
+            env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), **env),
+            capture_output=True, text=True, timeout=600,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
-        hits.append(proc.stdout.split("hits")[-1].split())
-    assert hits[0] == ["0", "0"] and hits[2] == ["0", "0"], hits
-    assert int(hits[1][0]) >= 1 and int(hits[1][1]) >= 1, hits
+        return proc.stdout.split("hits")[-1].split()
+
+    assert run("1.0", "long") == ["0", "0"]
+    assert run("5.0", "long") == ["0", "0"]
+    stable = {"TORCHLEAF_STABLE_IDS": "1"}
+    assert run("1.0", "long", **stable) == ["0", "0"]
+    hits = run("5.0", "long", **stable)
+    assert int(hits[0]) >= 1 and int(hits[1]) >= 1, hits
+    # Another constant, which the graph does not show and which changes the
+    # output's shape: not the others' graphs.
+    assert run("1.0", "short", **stable) == ["0", "0"]
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
