@@ -26,6 +26,7 @@ import inspect
 import itertools
 import json
 import operator
+import os
 import threading
 import weakref
 
@@ -509,7 +510,11 @@ def _fingerprint(full_key):
     hand a graph compiled in one process to another whose graph reads alike:
     the index must then name the same call structure there (constants baked
     into the plan, which the graph does not show, included)."""
-    digest = hashlib.blake2b(repr(full_key).encode(), digest_size=8).digest()
+    try:
+        text = repr(full_key)
+    except Exception:  # a constant whose repr fails: a fingerprint of this process only
+        text = f"{os.getpid()}:{id(full_key)}"
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & _FINGERPRINT_MASK
 
 
