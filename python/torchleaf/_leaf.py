@@ -918,6 +918,7 @@ def _refuse_read_and_mutated(leaf, plan_index, read, mutated):
 
 
 # ---------------------------------------------------------------- compilation
+_OBJECT = "\x00torchleaf:object"  # (_OBJECT, i): the i-th object passed beside a skeleton
 _NODE = "\x00torchleaf:node"  # tags a pytree node in a compiled call's skeleton
 _OPAQUE = "\x00torchleaf:opaque"  # stands for a node context Dynamo cannot pass
 
@@ -1001,14 +1002,30 @@ def _unnest(leaf, nested, flat, skeleton, path=()):
 
 
 @torch._dynamo.assume_constant_result
-def _intern_for_compile(leaf, skeleton, structures):
+def _intern_for_compile(leaf, skeleton, structures, *objects):
     """Called by Dynamo at trace time only; its result is a graph constant.
     ``skeleton``: the call's structure from _nest, with _TENSOR, _MODULE,
-    _INT markers at the leaves; ``structures``: one per _MODULE."""
+    _INT markers at the leaves; ``structures``: one per _MODULE; ``objects``:
+    one per (_OBJECT, index) leaf."""
     flat = []
     spec = _unnest(leaf, skeleton, flat, skeleton)
     structures = iter(structures)
-    key = tuple((_MODULE_KEY, next(structures)) if x is _MODULE else x for x in flat)
+    key = tuple(
+        (_MODULE_KEY, next(structures)) if x is _MODULE
+        else objects[x[1]] if type(x) is tuple and len(x) == 2 and x[0] is _OBJECT
+        else x
+        for x in flat
+    )
+    for obj in objects:
+        try:
+            hash(obj)
+        except TypeError:
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{leaf._name}' got an argument of type "
+                f"{type(obj).__name__}, which is not hashable, in a compiled call: a compiled "
+                f"graph keeps non-tensor arguments as constants. Pass it as a tensor (e.g. "
+                f"torch.as_tensor(x)) or make it hashable."
+            ) from None
     # The autocast state here, at trace time, is the call's: Dynamo enters an
     # autocast context of the traced code for real while tracing, and guards
     # the compiled code on the ambient one.
@@ -1506,6 +1523,7 @@ class LeafFunction:
         nested = _flatten_traced((args, kwargs), flat)
         skeleton = []
         structures = []
+        objects = []
         module_tensors = []
         handles = []
         for x in flat:
@@ -1532,10 +1550,16 @@ class LeafFunction:
                 skeleton.append(_FLOAT)
             elif _is_ndarray(x):  # Dynamo holds arrays as tensors
                 skeleton.append(_NDARRAY)
-            else:
+            elif _plain(x):
                 skeleton.append(x)
+            else:
+                # Any other object (an enum, a config object): Dynamo passes it
+                # to a constant function as an argument of its own (guarded on
+                # its identity), not inside the skeleton.
+                skeleton.append((_OBJECT, len(objects)))
+                objects.append(x)
         plan_index, slots, mutated_positions = _intern_for_compile(
-            self, _fill(nested, iter(skeleton)), tuple(structures)
+            self, _fill(nested, iter(skeleton)), tuple(structures), *objects
         )
         if mutated_positions:
             _check_read_and_mutated(self, flat, slots, mutated_positions, plan_index)

@@ -4,6 +4,7 @@ function."""
 
 import collections
 import dataclasses
+import enum
 import functools
 import io
 import pickle
@@ -578,3 +579,48 @@ def test_correct_fakes_pass_the_check_with_dynamic_and_changing_shapes(backend):
             x = torch.randn(rows, 3)
             for got, expected in zip(compiled(x, n), head(x, n)):
                 torch.testing.assert_close(got, expected)
+
+
+class _Mode(enum.Enum):
+    SCALE = 2.0
+    SHIFT = 3.0
+
+
+class _Settings:
+    """A plain config object (hashable by identity), as users pass."""
+
+    def __init__(self, mode, bias):
+        self.mode, self.bias = mode, bias
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
+def test_objects_of_any_class_as_compiled_arguments(backend):
+    """Enum members and config objects reach the function as they are (graph
+    constants, guarded on identity); an unhashable one is a clear error."""
+    torch._dynamo.reset()
+
+    def body(x, settings, mode):
+        y = x * settings.mode.value if mode is _Mode.SCALE else x + mode.value
+        return y + settings.bias
+
+    leaf = torchleaf.leaf_function(body)
+    leaf.register_fake(lambda x, settings, mode: torch.empty_like(x))
+    run = leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    for settings, mode in ((_Settings(_Mode.SCALE, 1.0), _Mode.SCALE), (_Settings(_Mode.SHIFT, -1.0), _Mode.SHIFT)):
+        got = run(x, settings, mode)
+        want = body(x, settings, mode)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(torch.autograd.grad(got.sum(), x), torch.autograd.grad(want.sum(), x))
+
+    class Unhashable(_Settings):
+        __hash__ = None
+
+    if backend is not None:
+        with pytest.raises(Exception) as info:
+            run(x, Unhashable(_Mode.SCALE, 0.0), _Mode.SCALE)
+        chain = [info.value]
+        while chain[-1].__cause__ is not None:
+            chain.append(chain[-1].__cause__)
+        # (Dynamo wraps errors raised at trace time in its own, keeping the message.)
+        assert any("LeafFunctionError" in f"{type(e).__name__}{e}" and "not hashable" in str(e) for e in chain)
