@@ -964,8 +964,8 @@ def _flatten_traced(obj, flat):
         return (_NODE, t, None, tuple(_flatten_traced(x, flat) for x in obj))
     if t is dict:
         return (_NODE, dict, list(obj.keys()), tuple(_flatten_traced(x, flat) for x in obj.values()))
-    if t in (bool, int, float, str):
-        flat.append(obj)
+    if t in (bool, int, float, str) or not (isinstance(obj, tuple) or t in pytree.SUPPORTED_NODES):
+        flat.append(obj)  # a leaf for pytree too (namedtuples are tuples)
         return _LEAF
     leaves, spec = pytree.tree_flatten(obj)
     flat.extend(leaves)
