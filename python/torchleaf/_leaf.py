@@ -1003,7 +1003,8 @@ def _unnest(leaf, nested, flat, skeleton, path=()):
 
 @torch._dynamo.assume_constant_result
 def _intern_for_compile(leaf, skeleton, structures, *objects):
-    """Called by Dynamo at trace time only; its result is a graph constant.
+    """Called by Dynamo at trace time only; its result is a graph constant
+    (the leaf id among it: reading ``leaf._id`` in the trace would guard on it).
     ``skeleton``: the call's structure from _nest, with _TENSOR, _MODULE,
     _INT markers at the leaves; ``structures``: one per _MODULE; ``objects``:
     one per (_OBJECT, index) leaf."""
@@ -1030,7 +1031,7 @@ def _intern_for_compile(leaf, skeleton, structures, *objects):
     # autocast context of the traced code for real while tracing, and guards
     # the compiled code on the ambient one.
     plan = leaf._plan_from_key(spec, key, _COMPILED, _autocast_state())
-    return plan.index, plan.slots, plan.mutated
+    return leaf._id, plan.index, plan.slots, plan.mutated
 
 
 @torch._dynamo.assume_constant_result
@@ -1558,7 +1559,7 @@ class LeafFunction:
                 # its identity), not inside the skeleton.
                 skeleton.append((_OBJECT, len(objects)))
                 objects.append(x)
-        plan_index, slots, mutated_positions = _intern_for_compile(
+        leaf_id, plan_index, slots, mutated_positions = _intern_for_compile(
             self, _fill(nested, iter(skeleton)), tuple(structures), *objects
         )
         if mutated_positions:
@@ -1592,9 +1593,9 @@ class LeafFunction:
         inputs.append(_ORDER_TOKEN)
         mutated = [flat[pos] for pos in mutated_positions] + mutable_buffers
         if mutated:
-            outputs = torch.ops.torchleaf.call_mutating(self._id, plan_index, inputs, mutated)
+            outputs = torch.ops.torchleaf.call_mutating(leaf_id, plan_index, inputs, mutated)
         else:
-            outputs = torch.ops.torchleaf.call(self._id, plan_index, inputs)
+            outputs = torch.ops.torchleaf.call(leaf_id, plan_index, inputs)
         if not _tracing_a_subgraph():
             _ORDER_TOKEN = outputs[-1]
         return _decode(_traced_output(self, plan_index), outputs[:-1], self._namedtuples)
