@@ -15,6 +15,7 @@
 #include "../ops/leaf_ops.h"
 #include "../registry.h"
 #include "../state.h"
+#include "operator_entries.h"
 
 namespace py = pybind11;
 
@@ -290,6 +291,11 @@ PYBIND11_MODULE(_C, m) {
         "kernel of every torchleaf operator). The outputs' metadata is "
         "recorded for the check of real calls, their strides only when "
         "`strides_relied_on` (Inductor's lowering).");
+  m.def("direct_operator_entry", &direct_operator_entry, py::arg("name"), py::arg("replaced"),
+        "A callable for OpOverload._op of torchleaf::<name> ('call', 'forward' "
+        "or 'backward'): calls the operator through a typed dispatcher call for "
+        "the plain positional arguments compiled graphs pass, and `replaced` "
+        "(PyTorch's own entry) for anything else.");
   m.def("named_leaves", &torchleaf::python::named_leaves,
         "[(id, 'ns::name', mutable positions)] for every C++ leaf with a named "
         "operator.");

@@ -59,6 +59,12 @@ def run_fake(leaf: int, plan: int, inputs: list[torch.Tensor], mutated: list[tor
     """Run a leaf's fake implementation for a call of `plan` (the fake kernel
     of every torchleaf operator)."""
 
+def direct_operator_entry(name: str, replaced: Callable[..., Any]) -> Callable[..., Any]:
+    """A callable for OpOverload._op of torchleaf::<name> ('call', 'forward'
+    or 'backward'): calls the operator through a typed dispatcher call for the
+    plain positional arguments compiled graphs pass, and `replaced` (PyTorch's
+    own entry) for anything else."""
+
 def named_leaves() -> list[tuple[int, str, list[int]]]:
     """[(id, 'ns::name', mutable positions)] for every C++ leaf with a named operator."""
 

@@ -95,7 +95,18 @@ def _fake_backward(leaf, state, grads, input_meta):
 _registered_named = set()
 
 
+def _install_direct_entries():
+    """Let compiled graphs call torchleaf::call/forward/backward without
+    PyTorch's generic boxed entry (see csrc/python/operator_entries.cpp).
+    Runs before anything hashes these OpOverloads: their hash is their
+    `_op`'s."""
+    for name in ("call", "forward", "backward"):
+        overload = getattr(torch.ops.torchleaf, name).default
+        overload._op = _C.direct_operator_entry(name, overload._op)
+
+
 def _register_ops():
+    _install_direct_entries()
     torch.library.register_fake("torchleaf::call", _fake_call)
     torch.library.register_fake("torchleaf::forward", _fake_forward)
     torch.library.register_fake("torchleaf::call_mutating", _fake_call_mutating)

@@ -188,3 +188,27 @@ def test_autocast_state_queries():
 
         assert _leaf._autocast_state() == ((("cpu", torch.bfloat16),), False)
     assert _leaf._autocast_state() is None
+
+
+def test_an_op_overload_calls_and_hashes_through_its_op_attribute():
+    # torchleaf replaces OpOverload._op of torchleaf::call/forward/backward
+    # with direct entries (csrc/python/operator_entries.cpp), before anything
+    # hashes the overloads. If OpOverload stops calling `_op`, compiled graphs
+    # stay correct but lose the direct entries' speed; if it stops hashing
+    # by `_op`, the replacement would no longer need to come first.
+    lib = torch.library.Library("torchleaf_private_api_op", "FRAGMENT")
+    lib.define("double(Tensor x) -> Tensor")
+    lib.impl("double", lambda x: x * 2, "CompositeExplicitAutograd")
+    op = torch.ops.torchleaf_private_api_op.double.default
+    assert op(torch.ones(2)).tolist() == [2.0, 2.0]
+    calls = []
+
+    def entry(*args, **kwargs):
+        calls.append(args)
+        return replaced(*args, **kwargs)
+
+    replaced, op._op = op._op, entry
+    assert op(torch.ones(2)).tolist() == [2.0, 2.0]
+    assert len(calls) == 1
+    assert hash(op) == hash(entry)
+    lib._destroy()

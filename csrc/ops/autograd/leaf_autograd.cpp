@@ -324,6 +324,38 @@ void forward_autograd_kernel(
   }
 }
 
+// torchleaf::forward's Autograd kernel, unboxed: what a compiled forward
+// graph calls on every step, where no input requires grad at this level
+// (AOTAutograd runs the graph with grad mode off), so the call goes straight
+// below Autograd without boxing its arguments. Anything else takes the boxed
+// kernel above.
+std::tuple<TensorList, at::Tensor> forward_unboxed_autograd_kernel(
+    c10::DispatchKeySet keys,
+    int64_t leaf,
+    int64_t plan,
+    at::TensorList inputs,
+    at::IntArrayRef differentiable) {
+  bool tracked = false;
+  if (at::GradMode::is_enabled()) {
+    for (const auto& t : inputs) {
+      tracked = tracked || (t.defined() && t.requires_grad());
+    }
+  }
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("torchleaf::forward", "");
+  static const auto typed = op.typed<std::tuple<TensorList, at::Tensor>(
+      int64_t, int64_t, at::TensorList, at::IntArrayRef)>();
+  if (tracked) {
+    torch::jit::Stack stack{
+        leaf, plan, c10::List<at::Tensor>(inputs.vec()), c10::List<int64_t>(differentiable.vec())};
+    forward_autograd_kernel(op, keys, &stack);
+    return {std::move(stack[0]).toTensorVector(), std::move(stack[1]).toTensor()};
+  }
+  check_no_forward_tangents(*get_leaf(leaf), inputs, {});
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return typed.redispatch(
+      keys & c10::after_ADInplaceOrView_keyset, leaf, plan, inputs, differentiable);
+}
+
 // Autograd kernel of backward, reached the same way. A gradient that
 // requires grad at this level (torch.func's grad always builds the graph of
 // its gradients), or the state of a forward whose inputs required grad at
@@ -511,7 +543,8 @@ TensorList call_eager(
 TORCH_LIBRARY_IMPL(torchleaf, Autograd, m) {
   m.impl("call", &call_autograd_kernel);
   m.impl("call_mutating", &call_mutating_autograd_kernel);
-  for (const char* name : {"forward", "forward_mutating", "forward_functional"}) {
+  m.impl("forward", &forward_unboxed_autograd_kernel);
+  for (const char* name : {"forward_mutating", "forward_functional"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&forward_autograd_kernel>());
   }
   m.impl("backward", &backward_autograd_kernel);
