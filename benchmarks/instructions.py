@@ -13,6 +13,7 @@ instructions one call of that stage executes (``Ir / N``). Needs valgrind
 Stages (small body ``x * 2 + 1`` on 64 floats, compile(aot_eager)):
 
 - the whole compiled fwd+bwd step for the inline body, custom_op and the leaf;
+- the eager fwd+bwd step for the inline body and the leaf;
 - the operators the leaf's compiled graphs call, one level down at a time:
   ``torchleaf.forward`` (called as the FX graph calls it), the Python runner
   it calls, the body with and without autograd recording, and
@@ -31,6 +32,8 @@ STAGES = (
     ("step: plain", "compiled fwd+bwd of the inline body"),
     ("step: custom_op", "compiled fwd+bwd, torch.library.custom_op"),
     ("step: torchleaf", "compiled fwd+bwd, leaf function"),
+    ("eager step: plain", "eager fwd+bwd of the inline body"),
+    ("eager step: torchleaf", "eager fwd+bwd, leaf function"),
     ("forward op", "torchleaf.forward as the graph calls it"),
     ("runner", "the Python runner (_run_real) the forward op calls"),
     ("body, recording autograd", "the body on an input that requires grad"),
@@ -53,6 +56,9 @@ def _stage_callable(name):
         fn = {"plain": body, "custom_op": custom, "torchleaf": leaf}[name[len("step: "):]]
         compiled = torch.compile(lambda x: fn(x).sum(), backend="aot_eager", fullgraph=True)
         return lambda: compiled(x).backward()
+    if name.startswith("eager step: "):
+        fn = {"plain": body, "torchleaf": leaf}[name[len("eager step: "):]]
+        return lambda: fn(x).sum().backward()
     compiled = torch.compile(lambda x: leaf(x).sum(), backend="aot_eager", fullgraph=True)
     compiled(x).backward()
     plan = next(p.index for p in leaf._plans.values() if p.ordered)

@@ -194,15 +194,15 @@ py::object call(
     return py::none();
   }
   CallSite site{plan, eager && !arguments.is_none() ? arguments.ptr() : nullptr};
+  // The GIL stays held: the work is the Python runner's (the user's
+  // operators release it as usual), and dropping tensors that had Python
+  // objects without it would take it back once per tensor.
   TensorList out;
-  {
-    py::gil_scoped_release no_gil;
-    if (eager) {
-      auto entry = get_leaf(leaf);
-      out = ops::call_eager(*entry, inputs, mutated, site);
-    } else {
-      out = ops::call(leaf, plan, inputs, mutated);
-    }
+  if (eager) {
+    auto entry = get_leaf(leaf);
+    out = ops::call_eager(*entry, inputs, mutated, site);
+  } else {
+    out = ops::call(leaf, plan, inputs, mutated);
   }
   py::object desc = site.result
       ? py::reinterpret_borrow<py::object>(ptr(site.result))
@@ -282,8 +282,7 @@ PYBIND11_MODULE(_C, m) {
         "(outputs, the real function's output description). Other calls go "
         "through torchleaf::call(leaf, plan, ...) and return (outputs, None) "
         "-- or None, without running anything, when `arguments` is not None: "
-        "such calls must be described for a graph. Releases the GIL around the "
-        "C++ work.");
+        "such calls must be described for a graph.");
 
   m.def("run_fake", &run_fake, py::arg("leaf"), py::arg("plan"), py::arg("inputs"),
         py::arg("mutated"), py::arg("strides_relied_on") = false,

@@ -25,6 +25,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "../ops/leaf_ops.h"
+#include "../registry.h"
 
 namespace torchleaf::python {
 namespace {
@@ -92,6 +93,16 @@ bool plain_call(Py_ssize_t nargs, Py_ssize_t expected, PyObject* kwnames) {
       !at::impl::torch_function_mode_enabled();
 }
 
+// Whether the leaf's real function is Python (Python leaves have no named
+// operator of their own). Calls of those keep the GIL: their work is the
+// Python runner, the user's operators release it as they always do, and
+// tensors that had Python objects are dropped without taking it back (a
+// re-acquisition per tensor, per argument description). C++ leaves' calls
+// release it, as PyTorch's own entry does.
+bool runs_python(int64_t leaf) {
+  return !get_leaf(leaf)->has_named_op();
+}
+
 PyObject* fallback(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   return PyObject_Vectorcall(self, args, static_cast<size_t>(nargs), kwnames);
 }
@@ -106,11 +117,12 @@ PyObject* call_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, Py
       !plain_tensor_list(args[2], inputs, false)) {
     return fallback(self, args, nargs, kwnames);
   }
-  TensorList out;
-  {
-    pybind11::gil_scoped_release no_gil;
-    out = ops::call(leaf, plan, inputs, {});
+  std::optional<pybind11::gil_scoped_release> no_gil;
+  if (!runs_python(leaf)) {
+    no_gil.emplace();
   }
+  TensorList out = ops::call(leaf, plan, inputs, {});
+  no_gil.reset();
   return wrap_list(out);
   END_HANDLE_TH_ERRORS
 }
@@ -125,11 +137,12 @@ PyObject* forward_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
       !plain_tensor_list(args[2], inputs, false) || !int_list(args[3], differentiable)) {
     return fallback(self, args, nargs, kwnames);
   }
-  std::tuple<TensorList, at::Tensor> out;
-  {
-    pybind11::gil_scoped_release no_gil;
-    out = ops::forward(leaf, plan, inputs, {}, differentiable);
+  std::optional<pybind11::gil_scoped_release> no_gil;
+  if (!runs_python(leaf)) {
+    no_gil.emplace();
   }
+  auto out = ops::forward(leaf, plan, inputs, {}, differentiable);
+  no_gil.reset();
   PyObject* outputs = wrap_list(std::get<0>(out));
   PyObject* state = THPVariable_Wrap(std::get<1>(out));
   PyObject* result = PyTuple_New(2);

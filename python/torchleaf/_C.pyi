@@ -53,7 +53,7 @@ def call(
     real function's output description). Other calls go through
     torchleaf::call(leaf, plan, ...) and return (outputs, None) -- or None,
     without running anything, when `arguments` is not None: such calls must be
-    described for a graph. Releases the GIL around the C++ work."""
+    described for a graph."""
 
 def run_fake(leaf: int, plan: int, inputs: list[torch.Tensor], mutated: list[torch.Tensor]) -> list[torch.Tensor]:
     """Run a leaf's fake implementation for a call of `plan` (the fake kernel
