@@ -300,13 +300,7 @@ def _run_own_rule(leaf, info, plan_index, inputs, in_dims, mutated, mutated_dims
             f"({spec}); give an int or None per output (or one for all).",
         )
     out_dims = [d for x, d in zip(leaves, flat_out_dims) if isinstance(x, torch.Tensor)]
-    traced = plan.out
-    if traced is None:
-        plan.out = desc
-    elif traced is not desc:
-        if _leaf._structure(traced) != _leaf._structure(desc):
-            raise _leaf._structure_mismatch(leaf, desc, traced)
-        _leaf._check_graph_constants(leaf, traced, desc)
+    plan.check_output(leaf, desc)
     if plan.ordered:
         flat = flat + [_leaf._new_order_token()]
         out_dims = out_dims + [None]

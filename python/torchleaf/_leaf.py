@@ -405,7 +405,7 @@ def _constants(desc, path="output"):
 
 
 def _flatten_output(leaf, out):
-    if type(out) is _Tensor:
+    if isinstance(out, _Tensor):  # fake tensors too: one description object
         return [out], _SINGLE
     tensors = []
     return tensors, _encode(leaf, out, tensors)
@@ -532,7 +532,7 @@ class _Plan:
 
     __slots__ = (
         "index", "spec", "template", "slots", "mutated", "ordered", "positional", "out",
-        "autocast", "out_dtypes",
+        "out_plain", "autocast", "out_dtypes",
     )
 
     def __init__(self, index, spec, template, slots, mutated, mode, positional, autocast=None):
@@ -546,12 +546,32 @@ class _Plan:
         self.ordered = mode == _COMPILED
         self.positional = positional  # tensors only, by position: call fn(*tensors)
         self.out = None  # the fake's output description, once traced
+        self.out_plain = False  # whether `out` holds no constants
         # Compiled plans: the autocast state the call was traced under
         # (_autocast_state), entered around its fake and its real function.
         self.autocast = autocast
         # Compiled plans traced under autocast: the fake's output dtypes,
         # which the real outputs must have.
         self.out_dtypes = None
+
+    def record_output(self, desc):
+        """Record the description of what a traced graph returns for this
+        call structure."""
+        self.out = desc
+        self.out_plain = next(_constants(desc), None) is None
+
+    def check_output(self, leaf, desc):
+        """Check a real call's output description against the traced one: a
+        graph returns the traced structure and constants, whatever the real
+        function returns. Without constants, equal descriptions are equal
+        structures, which a tuple comparison tells at C speed on every call."""
+        traced = self.out
+        if traced is None:
+            self.record_output(desc)  # no fake ran (a non-tracing dispatch mode)
+        elif traced is not desc and not (self.out_plain and traced == desc):
+            if _structure(traced) != _structure(desc):
+                raise _structure_mismatch(leaf, desc, traced)
+            _check_graph_constants(leaf, traced, desc)
 
     def rebuild(self, leaf, tensors, arguments, fake):
         """(args, kwargs, [(module, structure, tensors, kind)]) for one call."""
@@ -839,13 +859,7 @@ def _run_real(leaf_ref, plan_index, tensors, arguments):
         # Called through the operator (a graph, or a dispatch mode that runs
         # real kernels): the caller rebuilds outputs from the plan's
         # description, which the fake wrote when tracing.
-        traced = plan.out
-        if traced is None:
-            plan.out = desc  # no fake ran (a non-tracing dispatch mode)
-        elif traced is not desc:
-            if _structure(traced) != _structure(desc):
-                raise _structure_mismatch(leaf, desc, traced)
-            _check_graph_constants(leaf, traced, desc)
+        plan.check_output(leaf, desc)
     if plan.ordered:
         if plan.out_dtypes is not None:
             _check_autocast_dtypes(leaf, plan, flat)
@@ -885,7 +899,7 @@ def _run_fake(leaf_ref, plan_index, tensors, arguments, real_desc):
         if _structure(real_desc) != _structure(desc):
             raise _structure_mismatch(leaf, real_desc, desc)
     elif arguments is None:
-        plan.out = desc  # what a traced graph returns for this call structure
+        plan.record_output(desc)  # what a traced graph returns for this call structure
     return flat
 
 

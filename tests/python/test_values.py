@@ -624,3 +624,49 @@ def test_objects_of_any_class_as_compiled_arguments(backend):
             chain.append(chain[-1].__cause__)
         # (Dynamo wraps errors raised at trace time in its own, keeping the message.)
         assert any("LeafFunctionError" in f"{type(e).__name__}{e}" and "not hashable" in str(e) for e in chain)
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+def test_constant_outputs_of_compiled_calls_are_checked_on_every_call(backend):
+    # A graph returns the constants the fake returned when it was traced; a
+    # real call that returns another value (or an equal value of another
+    # type, 1 for True) is an error, on every call, not only the first.
+    def clip(x, limit):
+        clipped = bool((x.abs() > limit).any())
+        return x.clamp(-limit, limit), clipped, {"scale": 2}
+
+    leaf = _leaf(clip, lambda x, limit: (torch.empty_like(x), True, {"scale": 2}))
+    run = torch.compile(lambda x, limit: leaf(x, limit), backend=backend, fullgraph=True)
+    x = torch.tensor([0.5, -3.0, 2.0])
+    for _ in range(3):
+        out, clipped, extra = run(x, 1.0)
+        torch.testing.assert_close(out, clip(x, 1.0)[0])
+        assert clipped is True and extra == {"scale": 2}
+    with pytest.raises(LeafFunctionError, match=r"returned False at output\[1\], but its fake implementation returned True"):
+        run(x, 5.0)
+
+    def clip_as_int(x, limit):
+        out, clipped, extra = clip(x, limit)
+        return out, int(clipped), extra
+
+    leaf._fn = clip_as_int  # the same values, 1 for True
+    with pytest.raises(LeafFunctionError, match=r"different output structure.*\n  real: \(Tensor, 1, "):
+        run(x, 1.0)
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+def test_tuple_outputs_without_constants_match_the_plain_function(backend):
+    def pair(x):
+        return x.sin(), (x * 3, [x.cos()])
+
+    leaf = _leaf(pair, lambda x: (torch.empty_like(x), (torch.empty_like(x), [torch.empty_like(x)])))
+    run = torch.compile(lambda x: leaf(x), backend=backend, fullgraph=True)
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    for _ in range(2):
+        out = run(x)
+        expected = pair(x)
+        torch.testing.assert_close(out, expected)
+        loss = out[0].sum() + out[1][0].sum() + out[1][1][0].sum()
+        g = torch.autograd.grad(loss, x)[0]
+        e = torch.autograd.grad(expected[0].sum() + expected[1][0].sum() + expected[1][1][0].sum(), x)[0]
+        torch.testing.assert_close(g, e)
