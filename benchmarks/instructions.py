@@ -35,6 +35,7 @@ STAGES = (
     ("eager step: plain", "eager fwd+bwd of the inline body"),
     ("eager step: torchleaf", "eager fwd+bwd, leaf function"),
     ("forward op", "torchleaf.forward as the graph calls it"),
+    ("custom_op op", "the custom_op's operator as its graph calls it"),
     ("runner", "the Python runner (_run_real) the forward op calls"),
     ("body, recording autograd", "the body on an input that requires grad"),
     ("body", "the body without autograd"),
@@ -73,6 +74,7 @@ def _stage_callable(name):
 
     chosen = {
         "forward op": lambda: forward(leaf._id, plan, [xd, token], [0]),
+        "custom_op op": lambda: torch.ops.torchleaf_profile.body.default(xd),
         "runner": lambda: _leaf._run_real(ref, plan, [xd, token], None),
         "body, recording autograd": lambda: body(x),
         "body": lambda: body(xd),

@@ -110,23 +110,30 @@ def _stack_handles(handles):
     raise RuntimeError(f"torchleaf: cannot stack state handles wrapped as {type(h)}")  # pragma: no cover
 
 
-def _ordered(leaf_id, plan):
+def _ordered(leaf_id, plan, inputs):
+    """(whether the plan returns an order token, whether `inputs` ends with one)."""
     leaf = LEAVES.get(leaf_id)
-    return leaf is not None and leaf._plans[plan].ordered
+    if leaf is None:
+        return False, False
+    plan = leaf._plans[plan]
+    return plan.ordered, plan.takes_token(len(inputs))
 
 
-def _loop(name, info, call, inputs, in_dims, mutated, mutated_dims, ordered, own_rule, n_tail=0):
+def _loop(name, info, call, inputs, in_dims, mutated, mutated_dims, ordered, own_rule, n_tail=0, token_in=False):
     """Runs `call(inputs_i, mutated_i)` per sample; returns (stacked outputs,
     out dims, the last `n_tail` outputs of every sample). A compiled plan's
-    order token (the last input, the last output) is threaded from sample to
+    order token (the last output when `ordered`, and the last input when
+    `token_in`: not for its graph's first call) is threaded from sample to
     sample and returned unbatched."""
     _check_batch(name, info, mutated_dims, in_dims, own_rule)
     results, tails = [], []
-    token = inputs[-1] if ordered else None
+    token = inputs[-1] if token_in else None
     for i in range(info.batch_size):
         sample_inputs = _samples(inputs, in_dims, i)
-        if ordered:
+        if token_in:
             sample_inputs[-1] = token
+        elif token is not None:  # samples after the first follow the one before
+            sample_inputs.append(token)
         out = list(call(sample_inputs, _samples(mutated, mutated_dims, i)))
         if n_tail:
             tails.append(out[-n_tail:])
@@ -164,9 +171,10 @@ def _vmap_call_mutating(info, in_dims, leaf, plan, inputs, mutated):
     else:
         def call(i, m):
             return torch.ops.torchleaf.call(leaf, plan, i)
+    ordered, token_in = _ordered(leaf, plan, inputs)
     outputs, dims, _ = _loop(
         _leaf_name(leaf), info, call, list(inputs), in_d, mutated, mut_d,
-        _ordered(leaf, plan), python_leaf is not None,
+        ordered, python_leaf is not None, token_in=token_in,
     )
     return outputs, dims
 
@@ -207,9 +215,10 @@ def _forward_loop(info, in_dims, leaf, plan, inputs, mutated, mutated_dims, call
     outputs, the state handle, then `n_updated` new values of mutable inputs:
     (outputs, out dims, one state handle batched at 0, updated values)."""
     name = _leaf_name(leaf)
+    ordered, token_in = _ordered(leaf, plan, inputs)
     outputs, dims, tails = _loop(
         name, info, call, list(inputs), _dims(in_dims, 2), list(mutated), mutated_dims,
-        _ordered(leaf, plan), LEAVES.get(leaf) is not None, n_tail=1 + n_updated,
+        ordered, LEAVES.get(leaf) is not None, n_tail=1 + n_updated, token_in=token_in,
     )
     state = _stack_handles([t[0] for t in tails])
     updated = _stack(name, [t[1:] for t in tails]) if n_updated else []

@@ -524,7 +524,7 @@ class _Plan:
     The operator receives ``inputs`` -- per ``slots`` entry a tensor, a
     module's parameters and buffers, or an int carrier; then, for traced
     plans, one handle tensor per module; then, for compiled plans, the
-    order token -- and ``mutated``: tensor leaves of the parameters named in
+    order token (but for a graph's first non-mutating call) -- and ``mutated``: tensor leaves of the parameters named in
     ``mutates_args``, then the buffers of modules named there, in that order.
     Compiled plans also return a new order token after the function's
     outputs.
@@ -553,6 +553,20 @@ class _Plan:
         # Compiled plans traced under autocast: the fake's output dtypes,
         # which the real outputs must have.
         self.out_dtypes = None
+
+    def takes_token(self, n_inputs):
+        """Whether a call whose ``inputs`` hold ``n_inputs`` tensors ends them
+        with an order token: compiled calls do, except a graph's first
+        non-mutating one (_first_ordered_call)."""
+        if not self.ordered:
+            return False
+        n = 0
+        for kind, _, structure in self.slots:
+            if kind in _MODULE_KINDS:  # its parameters and buffers (those in `inputs`), its handle
+                n += (len(structure[2]) if kind == _IN_MODULE else structure[4]) + 1
+            else:
+                n += 1
+        return n_inputs > n
 
     def record_output(self, desc):
         """Record the description of what a traced graph returns for this
@@ -607,8 +621,8 @@ class _Plan:
             for pos, structure, own, _ in modules:
                 flat[pos] = _module_at_run_time(leaf, tensors[k], structure, own, fake)
                 k += 1
-        if self.ordered:
-            k += 1  # the order token
+        if self.ordered and k < len(tensors):
+            k += 1  # the order token (a graph's first call has none, unless it mutates)
         for pos in self.mutated:
             flat[pos] = tensors[k]
             k += 1
@@ -1069,6 +1083,32 @@ def _tracing_a_subgraph():
     return tx is not None and tx.output.current_tracer.parent is not None
 
 
+# The Dynamo output graphs (one per trace) in which an ordered call was
+# traced, by id, weakly (they are not hashable): trace-time bookkeeping,
+# never read at run time.
+_ORDERED_TRACES = {}
+
+
+@torch._dynamo.assume_constant_result
+def _first_ordered_call():
+    """Whether the compiled call Dynamo traces now is the first of its graph.
+    Nothing earlier in the graph needs to run before it (graphs run one after
+    another), so it takes no order token: reading ``_ORDER_TOKEN`` makes it a
+    graph input with its guards, ~10k instructions on every step. Later calls
+    of the graph take the token the previous one returned, a traced value."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    if tx is None:
+        return False
+    graph, key = tx.output, id(tx.output)
+    seen = _ORDERED_TRACES.get(key)
+    if seen is not None and seen() is graph:
+        return False
+    _ORDERED_TRACES[key] = weakref.ref(graph, lambda _, key=key: _ORDERED_TRACES.pop(key, None))
+    return True
+
+
 @torch._dynamo.assume_constant_result
 def _traced_output(leaf, plan_index):
     return leaf._plans[plan_index].out
@@ -1518,7 +1558,8 @@ class LeafFunction:
     def _compiled_positional_call(self, args):
         leaf_id, plan_index = _intern_positional_for_compile(self, len(args))
         global _ORDER_TOKEN  # see _compiled_call
-        outputs = torch.ops.torchleaf.call(leaf_id, plan_index, [*args, _ORDER_TOKEN])
+        inputs = [*args] if _first_ordered_call() else [*args, _ORDER_TOKEN]
+        outputs = torch.ops.torchleaf.call(leaf_id, plan_index, inputs)
         if not _tracing_a_subgraph():
             _ORDER_TOKEN = outputs[-1]
         return _decode(_traced_output(self, plan_index), outputs[:-1], self._namedtuples)
@@ -1600,12 +1641,16 @@ class LeafFunction:
         # Order: each compiled call takes the token the previous one returned,
         # and the last one's is stored back (a graph output), so calls run in
         # program order and none is dead code, whatever their outputs' use.
+        # The first call of a graph takes none (_first_ordered_call), unless
+        # it mutates: the token then comes before the mutated tensors, and
+        # _Plan.rebuild tells it only when it is the last input.
         # Inside a higher-order operator's body (activation checkpointing,
         # torch.cond) Dynamo refuses stores to outside state: there calls
         # take the token but return theirs unused, ordered by graph order.
         global _ORDER_TOKEN
-        inputs.append(_ORDER_TOKEN)
         mutated = [flat[pos] for pos in mutated_positions] + mutable_buffers
+        if not _first_ordered_call() or mutated:
+            inputs.append(_ORDER_TOKEN)
         if mutated:
             outputs = torch.ops.torchleaf.call_mutating(leaf_id, plan_index, inputs, mutated)
         else:

@@ -247,6 +247,48 @@ def test_side_effects_run_in_program_order_even_when_unused(backend, grad):
     torch.testing.assert_close(out, program(x))
 
 
+def test_the_order_token_is_a_graph_input_only_when_a_call_needs_one():
+    """A graph's first call has nothing to be ordered after: it takes no
+    token, so a graph with leaf calls has no input (and no guards) beyond the
+    user's tensors. Later calls take the token the previous call returned. A
+    mutating call always takes one (from the last graph)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def make(mutates=()):
+        @torchleaf.leaf_function(mutates_args=mutates)
+        def step(x, stats=None):
+            if stats is not None:
+                stats.add_(1)
+            return x + 1
+
+        step.register_fake(lambda x, stats=None: torch.empty_like(x))
+        return step
+
+    a, b, bump = make(), make(), make({"stats"})
+
+    def placeholders(fn, *args):
+        torch._dynamo.reset()
+        graphs.clear()
+        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+        (gm,) = graphs
+        calls = [n for n in gm.graph.nodes if n.target is torch.ops.torchleaf.call]
+        return [n.name for n in gm.graph.nodes if n.op == "placeholder"], calls
+
+    x, stats = torch.randn(3), torch.zeros(())
+    names, _ = placeholders(lambda x: a(x) * 2, x)
+    assert names == ["l_x_"]
+    names, calls = placeholders(lambda x: b(a(x)), x)
+    assert names == ["l_x_"]
+    assert len(calls) == 2 and calls[0] in calls[1].args[2][-1].args  # the first call's token
+    names, _ = placeholders(lambda x, s: bump(x, s), x, stats)
+    assert len(names) == 3  # x, stats and the token of the last graph
+    assert stats.item() == 1
+
+
 @pytest.mark.parametrize("backend", ["aot_function", "aot_eager", "inductor"])
 def test_declared_mutation_under_compilation(backend):
     @torchleaf.leaf_function(mutates_args={"stats"})

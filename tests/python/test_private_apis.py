@@ -99,6 +99,26 @@ def test_dynamo_tells_a_higher_order_operator_body_from_the_top_level():
     assert True in seen and False in seen
 
 
+def test_dynamo_has_one_output_graph_per_trace():
+    # torchleaf._leaf._first_ordered_call keys "the graph being traced" on
+    # the identity of InstructionTranslator.current_tx().output: the same
+    # object for every call within one trace, another for the next trace.
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    seen = []
+
+    @torch._dynamo.assume_constant_result
+    def record():
+        seen.append(InstructionTranslator.current_tx().output)
+        return 0
+
+    f = torch.compile(lambda x: x + record() + record(), backend="eager", fullgraph=True)
+    f(torch.ones(2))
+    torch._dynamo.reset()
+    f(torch.ones(3))
+    assert len(seen) == 4 and seen[0] is seen[1] and seen[2] is seen[3] and seen[0] is not seen[2]
+
+
 def test_functorch_wrapping_helpers_round_trip():
     # torchleaf._functorch stacks per-sample state handles that lower vmap
     # and grad levels wrap, with these helpers.
