@@ -124,7 +124,11 @@ TensorList unpack_tensors(const py::handle& result, const std::string& leaf, con
 py::list wrap_tensors(const TensorList& tensors) {
   py::list out(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
-    PyList_SET_ITEM(out.ptr(), i, THPVariable_Wrap(tensors[i]));
+    PyObject* item = THPVariable_Wrap(tensors[i]);
+    if (item == nullptr) {
+      throw python_error();
+    }
+    PyList_SET_ITEM(out.ptr(), i, item);
   }
   return out;
 }

@@ -81,7 +81,12 @@ PyObject* wrap_list(const TensorList& tensors) {
     throw python_error();
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
-    PyList_SET_ITEM(list, i, THPVariable_Wrap(tensors[i]));
+    PyObject* item = THPVariable_Wrap(tensors[i]);
+    if (item == nullptr) {
+      Py_DECREF(list);
+      throw python_error();
+    }
+    PyList_SET_ITEM(list, i, item);
   }
   return list;
 }
