@@ -126,3 +126,30 @@ TEST(Operators, FailedDefinitionLeavesNoTrace) {
   EXPECT_TRUE(torchleaf::find_leaf(name).has_value());
   EXPECT_TRUE(torch::allclose(leaf({torch::ones({2})})[0], torch::full({2}, 2.0)));
 }
+
+// torchleaf::forward's Autograd kernel: a compiled graph calls it with grad
+// mode off (the unboxed path straight below Autograd); a caller that hands
+// it inputs requiring grad gets outputs whose backward is refused with a
+// message, since their gradient is the graph's own torchleaf::backward.
+TEST(Operators, ForwardRefusesBackwardThroughItsOutputsWhenInputsRequireGrad) {
+  auto leaf = square_leaf();
+  auto x = torch::randn({3}, torch::requires_grad());
+  {
+    torch::NoGradGuard no_grad;
+    auto [outs, handle] = forward_op().call(leaf.id(), 0, {x}, {0});
+    EXPECT_TRUE(torch::allclose(outs[0], x.detach() * x.detach()));
+    EXPECT_FALSE(outs[0].requires_grad());
+  }
+  auto [outs, handle] = forward_op().call(leaf.id(), 0, {x}, {0});
+  EXPECT_TRUE(torch::allclose(outs[0].detach(), x.detach() * x.detach()));
+  ASSERT_TRUE(outs[0].requires_grad());
+  EXPECT_THROW_WITH(
+      outs[0].sum().backward(),
+      "cannot be differentiated through the outputs of torchleaf::forward");
+  c10::List<std::optional<at::Tensor>> grads({torch::ones({3})});
+  auto grad = backward_op().call(leaf.id(), handle, grads, {});
+  EXPECT_TRUE(torch::allclose(grad[0].detach(), 2 * x.detach()));
+  outs.clear();
+  handle.reset();
+  EXPECT_EQ(torchleaf::live_states(), 0);
+}
