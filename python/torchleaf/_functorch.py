@@ -119,7 +119,9 @@ def _ordered(leaf_id, plan, inputs):
     return plan.ordered, plan.takes_token(len(inputs))
 
 
-def _loop(name, info, call, inputs, in_dims, mutated, mutated_dims, ordered, own_rule, n_tail=0, token_in=False):
+def _loop(
+    name, info, call, inputs, in_dims, mutated, mutated_dims, ordered, own_rule, n_tail=0, token_in=False
+):
     """Runs `call(inputs_i, mutated_i)` per sample; returns (stacked outputs,
     out dims, the last `n_tail` outputs of every sample). A compiled plan's
     order token (the last output when `ordered`, and the last input when

@@ -524,8 +524,9 @@ class _Plan:
     The operator receives ``inputs`` -- per ``slots`` entry a tensor, a
     module's parameters and buffers, or an int carrier; then, for traced
     plans, one handle tensor per module; then, for compiled plans, the
-    order token (but for a graph's first non-mutating call) -- and ``mutated``: tensor leaves of the parameters named in
-    ``mutates_args``, then the buffers of modules named there, in that order.
+    order token (not on a graph's first non-mutating call) -- and
+    ``mutated``: tensor leaves of the parameters named in ``mutates_args``,
+    then the buffers of modules named there, in that order.
     Compiled plans also return a new order token after the function's
     outputs.
     """
