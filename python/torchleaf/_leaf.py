@@ -564,7 +564,7 @@ class _Plan:
         n = 0
         for kind, _, structure in self.slots:
             if kind in _MODULE_KINDS:  # its parameters and buffers (those in `inputs`), its handle
-                n += (len(structure[2]) if kind == _IN_MODULE else structure[4]) + 1
+                n += _module_inputs(kind, structure) + 1
             else:
                 n += 1
         return n_inputs > n
@@ -611,7 +611,7 @@ class _Plan:
                 flat[pos] = _FAKE_FLOAT if fake and (type(t) is not _Tensor or t.is_meta) else t.item()
                 k += 1
             elif kind in _MODULE_KINDS:
-                n = len(structure[2]) if kind == _IN_MODULE else structure[4]
+                n = _module_inputs(kind, structure)
                 modules.append((pos, structure, list(tensors[k : k + n]), kind))
                 k += n
             else:  # an int carried as a size
@@ -642,14 +642,18 @@ class _Plan:
         return args, kwargs, bindings
 
 
+def _module_inputs(kind, structure):
+    """How many of a module slot's tensors the operator takes as inputs: all,
+    or (buffers declared mutable) its parameters; the rest are mutated."""
+    return len(structure[2]) if kind == _IN_MODULE else structure[4]
+
+
 def _split_module_tensors(kind, structure, tensors, inputs, mutable_buffers):
     """A module's tensors: all inputs, or (declared mutable) parameters as
     inputs and buffers as mutated tensors."""
-    if kind == _IN_MODULE:
-        inputs.extend(tensors)
-    else:
-        inputs.extend(tensors[: structure[4]])
-        mutable_buffers.extend(tensors[structure[4] :])
+    n = _module_inputs(kind, structure)
+    inputs.extend(tensors[:n])
+    mutable_buffers.extend(tensors[n:])
 
 
 def _owner(module, name):
