@@ -486,6 +486,14 @@ def _new_order_token():
     return torch.empty(0, dtype=torch.int64)
 
 
+# Dynamo guards each global that traced code reads, and each attribute on
+# the way, on every call of a compiled frame: one global each instead of
+# torch.compiler.is_compiling's chain of three and torch.ops.torchleaf.call's
+# four.
+_is_compiling = torch.compiler.is_compiling
+_CALL = torch.ops.torchleaf.call.default
+
+
 # Kinds of operator inputs, in a plan's order.
 _IN_TENSOR, _IN_MODULE, _IN_INT, _IN_NEGATIVE_INT, _IN_NDARRAY, _IN_FLOAT = range(6)
 # A module named in mutates_args: its parameters are inputs, its buffers are
@@ -1068,15 +1076,24 @@ def _intern_for_compile(leaf, skeleton, structures, *objects):
 
 
 @torch._dynamo.assume_constant_result
-def _intern_positional_for_compile(leaf, n):
-    """_intern_for_compile for ``leaf(t1, ..., tn)`` with tensors only:
-    (leaf id, plan index), both graph constants. Tracing no pytree call and
-    reading no leaf attribute keeps the compiled frame's guards to the
-    tensors' own (pytree's Python code would add guards that run in Python
-    on every call)."""
+def _positional_call_site(leaf, n):
+    """Everything a compiled ``leaf(t1, ..., tn)`` with tensors only needs to
+    know at trace time, as one graph constant: (leaf id, plan index, whether
+    it takes the order token, whether it stores its own), or None when the
+    call takes the general path (declared mutations, export). Dynamo guards
+    every global and attribute that traced code reads, on every call of the
+    compiled frame; one constant function, and no pytree call or leaf
+    attribute read in traced code, keep those guards few."""
+    if leaf._mutates_args or torch.compiler.is_exporting():
+        return None
+    plan = _positional_plan(leaf, n)
+    return leaf._id, plan.index, not _first_ordered_call(), not _tracing_a_subgraph()
+
+
+def _positional_plan(leaf, n):
+    """The compiled plan of ``leaf(t1, ..., tn)`` with tensors only."""
     spec = pytree.tree_structure((tuple(range(n)), {}))
-    plan = leaf._plan_from_key(spec, (_TENSOR,) * n, _COMPILED, _autocast_state())
-    return leaf._id, plan.index
+    return leaf._plan_from_key(spec, (_TENSOR,) * n, _COMPILED, _autocast_state())
 
 
 @torch._dynamo.assume_constant_result
@@ -1116,7 +1133,10 @@ def _first_ordered_call():
 
 @torch._dynamo.assume_constant_result
 def _traced_output(leaf, plan_index):
-    return leaf._plans[plan_index].out
+    """The output description of a traced call; None for a single tensor,
+    which traced code returns without decoding (no guards on _decode)."""
+    out = leaf._plans[plan_index].out
+    return None if out is _SINGLE else out
 
 
 def _is_ndarray(x):
@@ -1478,7 +1498,7 @@ class LeafFunction:
 
     # -- calls
     def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             return self._compiled_call(args, kwargs)
         if not kwargs and not self._mutates_args:
             # Fast path: tensors only, by position.
@@ -1558,26 +1578,32 @@ class LeafFunction:
             outputs = self._named_op(inputs, [flat[pos] for pos in mutated_positions], call)
         else:
             outputs = self._named_op(inputs, call)
-        return _decode(_traced_output(self, plan_index), outputs, self._namedtuples)
-
-    def _compiled_positional_call(self, args):
-        leaf_id, plan_index = _intern_positional_for_compile(self, len(args))
-        global _ORDER_TOKEN  # see _compiled_call
-        inputs = [*args] if _first_ordered_call() else [*args, _ORDER_TOKEN]
-        outputs = torch.ops.torchleaf.call(leaf_id, plan_index, inputs)
-        if not _tracing_a_subgraph():
-            _ORDER_TOKEN = outputs[-1]
-        return _decode(_traced_output(self, plan_index), outputs[:-1], self._namedtuples)
+        desc = _traced_output(self, plan_index)
+        return outputs[0] if desc is None else _decode(desc, outputs, self._namedtuples)
 
     def _compiled_call(self, args, kwargs):
         # Traced by Dynamo: everything but the tensors (module tensors and
         # handles included) and carried ints is a graph constant.
-        if not kwargs and not self._mutates_args and not torch.compiler.is_exporting():
+        global _ORDER_TOKEN
+        if not kwargs:
+            n = 0  # (counted here: len() would be one more guarded global)
             for a in args:
                 if not isinstance(a, _Tensor):
                     break
+                n += 1
             else:
-                return self._compiled_positional_call(args)
+                site = _positional_call_site(self, n)
+                if site is not None:
+                    # As below (see _ORDER_TOKEN there), without a pytree.
+                    leaf_id, plan_index, takes_token, stores_token = site
+                    inputs = [*args, _ORDER_TOKEN] if takes_token else [*args]
+                    outputs = _CALL(leaf_id, plan_index, inputs)
+                    if stores_token:
+                        _ORDER_TOKEN = outputs[-1]
+                    desc = _traced_output(self, plan_index)
+                    if desc is None:
+                        return outputs[0]
+                    return _decode(desc, outputs[:-1], self._namedtuples)
         if torch.compiler.is_exporting():
             return self._exported_call(*pytree.tree_flatten((args, kwargs)))
         flat = []
@@ -1652,17 +1678,17 @@ class LeafFunction:
         # Inside a higher-order operator's body (activation checkpointing,
         # torch.cond) Dynamo refuses stores to outside state: there calls
         # take the token but return theirs unused, ordered by graph order.
-        global _ORDER_TOKEN
         mutated = [flat[pos] for pos in mutated_positions] + mutable_buffers
         if not _first_ordered_call() or mutated:
             inputs.append(_ORDER_TOKEN)
         if mutated:
             outputs = torch.ops.torchleaf.call_mutating(leaf_id, plan_index, inputs, mutated)
         else:
-            outputs = torch.ops.torchleaf.call(leaf_id, plan_index, inputs)
+            outputs = _CALL(leaf_id, plan_index, inputs)
         if not _tracing_a_subgraph():
             _ORDER_TOKEN = outputs[-1]
-        return _decode(_traced_output(self, plan_index), outputs[:-1], self._namedtuples)
+        desc = _traced_output(self, plan_index)
+        return outputs[0] if desc is None else _decode(desc, outputs[:-1], self._namedtuples)
 
 
 def _function_name(fn):

@@ -23,7 +23,7 @@ def leaf_call():
     input that requires grad."""
     leaf = torchleaf.leaf_function(_scaled)
     leaf.register_fake(torch.empty_like)
-    leaf_id, plan = _leaf._intern_positional_for_compile(leaf, 1)
+    leaf_id, plan = leaf._id, _leaf._positional_plan(leaf, 1).index
     x = torch.randn(5, dtype=torch.float64)
     return leaf, leaf_id, plan, x
 
