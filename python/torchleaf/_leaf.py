@@ -491,7 +491,9 @@ def _new_order_token():
 # torch.compiler.is_compiling's chain of three and torch.ops.torchleaf.call's
 # four.
 _is_compiling = torch.compiler.is_compiling
+_is_exporting = torch.compiler.is_exporting
 _CALL = torch.ops.torchleaf.call.default
+_CALL_MUTATING = torch.ops.torchleaf.call_mutating.default
 
 
 # Kinds of operator inputs, in a plan's order.
@@ -1087,7 +1089,15 @@ def _positional_call_site(leaf, n):
     if leaf._mutates_args or torch.compiler.is_exporting():
         return None
     plan = _positional_plan(leaf, n)
-    return leaf._id, plan.index, not _first_ordered_call(), not _tracing_a_subgraph()
+    return (leaf._id, plan.index, *_order_decisions(False))
+
+
+@torch._dynamo.assume_constant_result
+def _order_decisions(mutates):
+    """(whether the compiled call Dynamo traces now takes the order token,
+    whether it stores its own), see _compiled_call."""
+    first = _first_ordered_call()  # (also when mutating: it marks the trace)
+    return mutates or not first, not _tracing_a_subgraph()
 
 
 def _positional_plan(leaf, n):
@@ -1604,7 +1614,7 @@ class LeafFunction:
                     if desc is None:
                         return outputs[0]
                     return _decode(desc, outputs[:-1], self._namedtuples)
-        if torch.compiler.is_exporting():
+        if _is_exporting():
             return self._exported_call(*pytree.tree_flatten((args, kwargs)))
         flat = []
         nested = _flatten_traced((args, kwargs), flat)
@@ -1679,13 +1689,14 @@ class LeafFunction:
         # torch.cond) Dynamo refuses stores to outside state: there calls
         # take the token but return theirs unused, ordered by graph order.
         mutated = [flat[pos] for pos in mutated_positions] + mutable_buffers
-        if not _first_ordered_call() or mutated:
+        takes_token, stores_token = _order_decisions(bool(mutated))
+        if takes_token:
             inputs.append(_ORDER_TOKEN)
         if mutated:
-            outputs = torch.ops.torchleaf.call_mutating(leaf_id, plan_index, inputs, mutated)
+            outputs = _CALL_MUTATING(leaf_id, plan_index, inputs, mutated)
         else:
             outputs = _CALL(leaf_id, plan_index, inputs)
-        if not _tracing_a_subgraph():
+        if stores_token:
             _ORDER_TOKEN = outputs[-1]
         desc = _traced_output(self, plan_index)
         return outputs[0] if desc is None else _decode(desc, outputs[:-1], self._namedtuples)
