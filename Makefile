@@ -46,7 +46,10 @@ test-python:
 demo: build
 	$(PYTHON) examples/demo.py
 
+# Valgrind counts instructions per call for BENCHMARKS.md (benchmarks/instructions.py).
 bench: build
+	@dpkg -s valgrind >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind >/dev/null)
 	TORCHLEAF_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) benchmarks/run.py
 
 bench-quick: build

@@ -10,9 +10,11 @@ Valgrind's callgrind with instrumentation switched on only around N calls
 instructions one call of that stage executes (``Ir / N``). Needs valgrind
 (``apt-get install valgrind``); runs each stage in ~30-60 s.
 
-Stages (small body ``x * 2 + 1`` on 64 floats, compile(aot_eager)):
+Stages (small body ``x * 2 + 1`` on 64 floats, compile(aot_eager) unless
+named "inductor"):
 
-- the whole compiled fwd+bwd step for the inline body, custom_op and the leaf;
+- the whole compiled fwd+bwd step for the inline body, custom_op and the
+  leaf, under aot_eager and under Inductor;
 - the eager fwd+bwd step for the inline body and the leaf;
 - the operators the leaf's compiled graphs call, one level down at a time:
   ``torchleaf.forward`` (called as the FX graph calls it), the Python runner
@@ -22,6 +24,7 @@ Stages (small body ``x * 2 + 1`` on 64 floats, compile(aot_eager)):
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,6 +35,9 @@ STAGES = (
     ("step: plain", "compiled fwd+bwd of the inline body"),
     ("step: custom_op", "compiled fwd+bwd, torch.library.custom_op"),
     ("step: torchleaf", "compiled fwd+bwd, leaf function"),
+    ("inductor step: plain", "compiled(inductor) fwd+bwd of the inline body"),
+    ("inductor step: custom_op", "compiled(inductor) fwd+bwd, torch.library.custom_op"),
+    ("inductor step: torchleaf", "compiled(inductor) fwd+bwd, leaf function"),
     ("eager step: plain", "eager fwd+bwd of the inline body"),
     ("eager step: torchleaf", "eager fwd+bwd, leaf function"),
     ("forward op", "torchleaf.forward as the graph calls it"),
@@ -53,9 +59,10 @@ def _stage_callable(name):
     torch.set_num_threads(1)
     leaf, custom = leaf_and_custom_op("torchleaf_profile")
     x = torch.randn(64, requires_grad=True)
-    if name.startswith("step: "):
-        fn = {"plain": body, "custom_op": custom, "torchleaf": leaf}[name[len("step: "):]]
-        compiled = torch.compile(lambda x: fn(x).sum(), backend="aot_eager", fullgraph=True)
+    if "step: " in name and not name.startswith("eager"):
+        backend = "inductor" if name.startswith("inductor") else "aot_eager"
+        fn = {"plain": body, "custom_op": custom, "torchleaf": leaf}[name.split("step: ")[1]]
+        compiled = torch.compile(lambda x: fn(x).sum(), backend=backend, fullgraph=True)
         return lambda: compiled(x).backward()
     if name.startswith("eager step: "):
         fn = {"plain": body, "torchleaf": leaf}[name[len("eager step: "):]]
@@ -99,7 +106,7 @@ def _child(name, n, ready, done):
     time.sleep(2)  # ... and off
 
 
-def _count(name, n):
+def _count(name, n, keep=None):
     with tempfile.TemporaryDirectory() as tmp:
         ready, done = os.path.join(tmp, "ready"), os.path.join(tmp, "done")
         log = os.path.join(tmp, "log")
@@ -117,15 +124,45 @@ def _count(name, n):
             subprocess.run(["callgrind_control", "-i", command, str(child.pid)], check=True,
                            stdout=subprocess.DEVNULL)
         child.wait()
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            shutil.copy(f"{tmp}/out", os.path.join(keep, name.replace(" ", "_").replace(":", "") + ".out"))
         with open(log) as f:
             refs = [line for line in f if "Collected" in line]
         return int(refs[-1].split(":")[-1].replace(",", "")) / n
+
+
+# What `make bench` counts for BENCHMARKS.md (report.instructions_markdown).
+BENCH_STAGES = (
+    "step: plain", "step: custom_op", "step: torchleaf",
+    "inductor step: plain", "inductor step: custom_op", "inductor step: torchleaf",
+    "forward op", "custom_op op", "forward+backward ops", "body", "body recording autograd",
+)
+
+
+def run(stages=BENCH_STAGES, n=100, jobs=2, log=print):
+    """{stage: thousands of instructions per call}, ``jobs`` stages at a
+    time (callgrind runs one process on one core; counts do not depend on
+    the load). Raises RuntimeError without valgrind."""
+    import concurrent.futures
+
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise RuntimeError("valgrind is not installed (apt-get install valgrind)")
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        futures = {name: pool.submit(_count, name, n) for name in stages}
+        counts = {}
+        for name, future in futures.items():
+            counts[name] = future.result() / 1e3
+            log(f"  {name}: {counts[name]:.1f}k")
+    return counts
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=200)
     parser.add_argument("--stages", help="comma-separated stage names (default: all)")
+    parser.add_argument("--keep", help="copy each stage's callgrind output into this folder "
+                        "(for callgrind_annotate / kcachegrind)")
     parser.add_argument("--child")
     parser.add_argument("--ready")
     parser.add_argument("--done")
@@ -137,7 +174,7 @@ def main():
     for name, what in STAGES:
         if name not in chosen:
             continue
-        print(f"| {name} | {what} | {_count(name, args.n) / 1e3:.1f} |", flush=True)
+        print(f"| {name} | {what} | {_count(name, args.n, args.keep) / 1e3:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

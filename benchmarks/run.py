@@ -22,6 +22,7 @@ import time
 import torch
 
 import cpp_bench
+import instructions
 import module_args
 import overhead
 import report
@@ -90,6 +91,16 @@ def main():
     log("Memory")
     memory = run_memory(args.quick)
 
+    if args.quick:
+        counts = None  # minutes under valgrind: full runs only
+    else:
+        log("Instructions per call (callgrind)")
+        try:
+            counts = instructions.run(log=log)
+        except RuntimeError as e:
+            counts = str(e)
+            log(f"  not counted: {counts}")
+
     targets = report.compute_targets(results, cpp, memory)
     if args.out or args.quick:
         out_dir = args.out or tempfile.mkdtemp(prefix="torchleaf-bench-")
@@ -102,6 +113,7 @@ def main():
                 "module": {f"{mode}/{impl}": t.as_dict() for (mode, impl), t in module.items()},
                 "cpp": cpp,
                 "memory": memory,
+                "instructions": counts,
             }, f, indent=1)
     else:
         md_path, plot_path = os.path.join(ROOT, "BENCHMARKS.md"), os.path.join(ROOT, "docs", "overhead.png")
@@ -125,6 +137,7 @@ def main():
         plot_name=plot_name,
         load=(load_start, os.getloadavg()[0]),
         elapsed_s=time.time() - started,
+        instructions=counts,
     )
     with open(md_path, "w") as f:
         f.write(text)

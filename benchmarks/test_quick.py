@@ -25,3 +25,25 @@ def test_quick_benchmark_run(tmp_path):
     assert "| torchleaf leaf |" in table  # C++ and memory rows
     assert (tmp_path / "overhead.png").stat().st_size > 0
     assert (tmp_path / "results.json").exists()
+
+
+def test_instruction_section_derives_the_leafs_extra_costs():
+    """BENCHMARKS.md's instruction section (full runs only, under valgrind):
+    steps over plain code per backend, and the replay and recording costs
+    derived from the stage counts."""
+    sys.path.insert(0, HERE)
+    import report
+
+    counts = {
+        "step: plain": 600.0, "step: custom_op": 650.0, "step: torchleaf": 652.5,
+        "inductor step: plain": 480.0, "inductor step: custom_op": 590.0, "inductor step: torchleaf": 640.0,
+        "forward op": 90.0, "custom_op op": 104.0, "forward+backward ops": 120.5,
+        "body": 43.5, "body recording autograd": 51.5,
+    }
+    text = "\n".join(report.instructions_markdown(counts))
+    assert "| plain | 600.0 | — | 480.0 | — |" in text
+    assert "| torchleaf | 652.5 | +52.5 | 640.0 | +160.0 |" in text
+    assert "minus forward) | 30.5 |" in text  # the backward operator: 120.5 - 90.0
+    assert "minus the above) | 8.0 |" in text  # recording: 51.5 - 43.5
+    missing = report.instructions_markdown("valgrind is not installed (apt-get install valgrind)")
+    assert "Not counted: valgrind is not installed (apt-get install valgrind)" in missing
