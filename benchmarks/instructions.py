@@ -106,12 +106,12 @@ def _child(name, n, ready, done):
     time.sleep(2)  # ... and off
 
 
-def _count(name, n, keep=None):
+def _count(name, n, keep=None, valgrind_args=()):
     with tempfile.TemporaryDirectory() as tmp:
         ready, done = os.path.join(tmp, "ready"), os.path.join(tmp, "done")
         log = os.path.join(tmp, "log")
         child = subprocess.Popen(
-            ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={tmp}/out",
+            ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={tmp}/out", *valgrind_args,
              f"--log-file={log}", os.path.realpath(sys.executable), os.path.abspath(__file__),
              "--child", name, "--n", str(n), "--ready", ready, "--done", done],
         )
@@ -122,14 +122,15 @@ def _count(name, n, keep=None):
                 time.sleep(0.2)
             time.sleep(0.2)
             subprocess.run(["callgrind_control", "-i", command, str(child.pid)], check=True,
-                           stdout=subprocess.DEVNULL)
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         child.wait()
         if keep:
             os.makedirs(keep, exist_ok=True)
             shutil.copy(f"{tmp}/out", os.path.join(keep, name.replace(" ", "_").replace(":", "") + ".out"))
         with open(log) as f:
             refs = [line for line in f if "Collected" in line]
-        return int(refs[-1].split(":")[-1].replace(",", "")) / n
+        # (Instructions come first; cache or branch simulation adds columns.)
+        return int(refs[-1].split(":")[-1].replace(",", "").split()[0]) / n
 
 
 # What `make bench` counts for BENCHMARKS.md (report.instructions_markdown).
@@ -163,6 +164,8 @@ def main():
     parser.add_argument("--stages", help="comma-separated stage names (default: all)")
     parser.add_argument("--keep", help="copy each stage's callgrind output into this folder "
                         "(for callgrind_annotate / kcachegrind)")
+    parser.add_argument("--valgrind-arg", action="append", default=[],
+                        help="extra valgrind option, e.g. --valgrind-arg=--cache-sim=yes (with --keep)")
     parser.add_argument("--child")
     parser.add_argument("--ready")
     parser.add_argument("--done")
@@ -174,7 +177,7 @@ def main():
     for name, what in STAGES:
         if name not in chosen:
             continue
-        print(f"| {name} | {what} | {_count(name, args.n, args.keep) / 1e3:.1f} |", flush=True)
+        print(f"| {name} | {what} | {_count(name, args.n, args.keep, args.valgrind_arg) / 1e3:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
