@@ -68,6 +68,9 @@ def main():
     args = parser.parse_args()
 
     started, load_start = time.time(), os.getloadavg()[0]
+    # (Before anything is written: the revision's "uncommitted changes" are
+    # then the user's, not this run's own report and plot.)
+    info = report.machine_info(ROOT)
     # One intra-op thread: per-call overhead is what is measured, and a
     # two-thread matmul on a shared 2-core machine stalls whenever another
     # process holds a core, which swamps the medium body's figures.
@@ -126,7 +129,7 @@ def main():
         + (" (**--quick: smoke run, figures not meaningful**)" if args.quick else "")
     )
     text = report.markdown(
-        info=report.machine_info(ROOT),
+        info=info,
         settings_note=settings_note,
         results=results,
         cpp=cpp,
