@@ -225,10 +225,11 @@ def instructions_markdown(counts):
         "operators, and the leaf's forward operator, cheaper than custom_op's, evens the step out. "
         "Under Inductor the formula becomes part of a compiled kernel, almost free, while the leaf "
         "still replays; Inductor also checks the size and stride of the leaf's state handle twice "
-        "per step (`assert_size_stride` on the forward's output and the backward's input, ~4k "
-        "each). A leaf exists for bodies that cannot be traced, so its backward cannot be compiled: "
+        "per step (`assert_size_stride` on the forward's output and the backward's input). A leaf "
+        "exists for bodies that cannot be traced, so its backward cannot be compiled: "
         "matching custom_op under Inductor would take a hand-written backward, custom_op's own "
-        "surface. "
+        "surface. Wall-clock figures above can disagree with these counts by several µs either "
+        "way on a shared machine; the counts do not move with its load. "
         "docs/profile.md breaks the step down further.",
         "",
     ]
