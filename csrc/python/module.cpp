@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <ATen/EmptyTensor.h>
 #include <c10/core/DeviceType.h>
 
 #include <torchleaf/torchleaf.h>
@@ -106,8 +107,9 @@ TensorList unpack_tensors(const py::handle& result, const std::string& leaf, con
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = PyList_GET_ITEM(result.ptr(), i);
     if (item == Py_None && i == n - 1) {
-      // A compiled call's new order token (see _leaf._run_real).
-      out.push_back(at::empty({0}, at::TensorOptions().dtype(at::kLong)));
+      // A compiled call's new order token (see _leaf._run_real): an empty
+      // CPU tensor, made directly (no dispatch: nothing intercepts it).
+      out.push_back(at::detail::empty_cpu({0}, at::kLong));
       continue;
     }
     if (!THPVariable_Check(item)) {
@@ -141,8 +143,18 @@ py::handle arguments_of(const CallSite& site) {
 TensorList run_python_real(const PythonLeaf& leaf, const std::string& name,
                            const TensorList& inputs, CallSite& site) {
   py::gil_scoped_acquire gil;
-  py::object result = py::reinterpret_borrow<py::object>(ptr(leaf.runner))(
-      py::handle(ptr(leaf.leaf_ref)), site.plan, wrap_tensors(inputs), arguments_of(site));
+  // A vector call: this runs on every call of a Python leaf.
+  py::object plan = py::reinterpret_steal<py::object>(PyLong_FromLongLong(site.plan));
+  if (!plan) {
+    throw py::error_already_set();
+  }
+  py::list tensors = wrap_tensors(inputs);
+  PyObject* args[] = {ptr(leaf.leaf_ref), plan.ptr(), tensors.ptr(), arguments_of(site).ptr()};
+  py::object result = py::reinterpret_steal<py::object>(
+      PyObject_Vectorcall(ptr(leaf.runner), args, 4, nullptr));
+  if (!result) {
+    throw py::error_already_set(); // as pybind11's own call would (fetches the error)
+  }
   TORCH_INTERNAL_ASSERT(PyTuple_Check(result.ptr()) && PyTuple_GET_SIZE(result.ptr()) == 2);
   auto outputs = unpack_tensors(PyTuple_GET_ITEM(result.ptr(), 0), name, "real");
   site.result = hold(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(result.ptr(), 1)));
