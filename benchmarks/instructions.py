@@ -70,19 +70,19 @@ def _stage_callable(name):
     compiled = torch.compile(lambda x: leaf(x).sum(), backend="aot_eager", fullgraph=True)
     compiled(x).backward()
     plan = next(p.index for p in leaf._plans.values() if p.ordered)
-    xd, token, grad = x.detach(), _leaf._ORDER_TOKEN, torch.ones(64)
+    xd, grad = x.detach(), torch.ones(64)
     forward = torch.ops.torchleaf.forward.default
     backward = torch.ops.torchleaf.backward.default
     ref = weakref.ref(leaf)
 
     def forward_backward():
-        _, handle = forward(leaf._id, plan, [xd, token], [0])
+        _, handle = forward(leaf._id, plan, [xd], [0])
         backward(leaf._id, handle, [grad, None], [6, 0, -1, 1, 64])
 
     chosen = {
-        "forward op": lambda: forward(leaf._id, plan, [xd, token], [0]),
+        "forward op": lambda: forward(leaf._id, plan, [xd], [0]),
         "custom_op op": lambda: torch.ops.torchleaf_profile.body.default(xd),
-        "runner": lambda: _leaf._run_real(ref, plan, [xd, token], None),
+        "runner": lambda: _leaf._run_real(ref, plan, [xd], None),
         "body recording autograd": lambda: body(x),
         "body": lambda: body(xd),
         "forward+backward ops": forward_backward,

@@ -55,16 +55,19 @@ def main():
             compiled(x).backward()
             steps[f"{backend} fwd+bwd: {name}"] = lambda c=compiled: c(x).backward()
 
-    # What the compiled graphs call (see the graphs with TORCH_LOGS=aot_graphs).
+    # What the compiled graphs call (see the graphs with TORCH_LOGS=aot_graphs;
+    # a graph's first leaf call takes no order token).
     plan = next(p.index for p in leaf._plans.values() if p.ordered)
-    xd, token, grad = x.detach(), _leaf._ORDER_TOKEN, torch.ones(64)
+    xd, grad = x.detach(), torch.ones(64)
     forward = torch.ops.torchleaf.forward.default
     backward = torch.ops.torchleaf.backward.default
-    _, handle = forward(leaf._id, plan, [xd, token], [0])
+    custom_op = torch.ops.torchleaf_stages.body.default
+    _, handle = forward(leaf._id, plan, [xd], [0])
     ref = weakref.ref(leaf)
     steps.update({
-        "torchleaf.forward (whole operator)": lambda: forward(leaf._id, plan, [xd, token], [0]),
-        "  of which the Python runner (_run_real)": lambda: _leaf._run_real(ref, plan, [xd, token], None),
+        "custom_op's operator (its whole forward, as its graph calls it)": lambda: custom_op(xd),
+        "torchleaf.forward (whole operator)": lambda: forward(leaf._id, plan, [xd], [0]),
+        "  of which the Python runner (_run_real)": lambda: _leaf._run_real(ref, plan, [xd], None),
         "    of which the body": lambda: body(xd),
         "torchleaf.backward (whole operator)": lambda: backward(leaf._id, handle, [grad, None], [6, 0, -1, 1, 64]),
         "  of which `grad * 2` (what the body's backward computes)": lambda: grad * 2,
