@@ -476,9 +476,10 @@ _FAKE_FLOAT = 1.0
 # ordered by a token).
 _EAGER, _TRACED, _COMPILED = range(3)
 
-# The order token of compiled calls: a graph input that the first leaf call
-# of a compiled graph consumes, each call returning the next; the last one is
-# stored back here when the graph has run. It holds no data.
+# The order token of compiled calls: each call of a graph after the first
+# takes the one the previous call returned, and the last one is stored back
+# here when the graph has run. Read as a graph input only by a graph's first
+# call that mutates, and inside higher-order operators' bodies. No data.
 _ORDER_TOKEN = torch.empty(0, dtype=torch.int64)
 
 
@@ -1126,7 +1127,7 @@ def _first_ordered_call():
     """Whether the compiled call Dynamo traces now is the first of its graph.
     Nothing earlier in the graph needs to run before it (graphs run one after
     another), so it takes no order token: reading ``_ORDER_TOKEN`` makes it a
-    graph input with its guards, ~10k instructions on every step. Later calls
+    graph input with its guards, ~8k instructions on every step. Later calls
     of the graph take the token the previous one returned, a traced value."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
