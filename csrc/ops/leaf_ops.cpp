@@ -555,9 +555,14 @@ TORCH_LIBRARY(torchleaf, m) {
   m.def(
       "forward_functional(int leaf, int plan, Tensor[] inputs, "
       "Tensor[] mutated, int[] differentiable) -> (Tensor[], Tensor, Tensor[])");
+  // Inductor passes backward's gradients contiguous: a loss's gradient is
+  // often an expand (stride 0), which a fused kernel then writes once,
+  // where the replayed aten ops would each copy it for a dense operand (mm
+  // does, once per product). Other backends and eager pass them as they are.
   m.def(
       "backward(int leaf, Tensor state, Tensor?[] grads, SymInt[] input_meta) "
-      "-> Tensor[]");
+      "-> Tensor[]",
+      {at::Tag::needs_contiguous_strides});
 }
 
 TORCH_LIBRARY_IMPL(torchleaf, CompositeExplicitAutograd, m) {

@@ -247,6 +247,46 @@ def test_side_effects_run_in_program_order_even_when_unused(backend, grad):
     torch.testing.assert_close(out, program(x))
 
 
+def test_inductor_materializes_a_broadcast_gradient_once_for_the_replay():
+    """`leaf(x, w).sum()` hands backward a stride-0 gradient. Under Inductor
+    the backward operator asks for contiguous inputs, so the expand is
+    written once by a fused kernel instead of being copied by every aten op
+    of the replay that needs a dense operand (mm copies it for each of its
+    two products). Values still match eager."""
+    torch._dynamo.reset()
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(grad.stride())
+            return grad
+
+    @torchleaf.leaf_function
+    def matmul(x, w):
+        return Probe.apply(x @ w)
+
+    @matmul.register_fake
+    def _(x, w):
+        return x.new_empty(x.shape[0], w.shape[1])
+
+    x = torch.randn(8, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    compiled = torch.compile(lambda x, w: matmul(x, w).sum(), backend="inductor", fullgraph=True)
+    compiled(x, w).backward()
+    got = (x.grad, w.grad)
+    assert seen == [(3, 1)]  # dense, not the expand's (0, 0)
+
+    x.grad = w.grad = None
+    matmul(x, w).sum().backward()
+    assert seen[1] == (0, 0)  # eager hands the expand through, as plain code does
+    torch.testing.assert_close(got, (x.grad, w.grad))
+
+
 def test_a_positional_call_guards_only_what_it_must():
     """Dynamo checks a compiled frame's guards on every call of it, and guards
     each global and attribute that traced code reads: each costs a few hundred
