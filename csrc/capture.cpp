@@ -668,6 +668,18 @@ TensorList run_real(
 
 namespace {
 
+// Sums `grad` into `slot` as the engine does (InputBuffer::add).
+void accumulate(at::Tensor& slot, at::Tensor&& grad, Node* fn) {
+  if (!slot.defined()) {
+    slot = std::move(grad);
+    return;
+  }
+  torch::autograd::InputBuffer sum(1);
+  sum.add(0, std::move(slot), std::nullopt, std::nullopt, fn);
+  sum.add(0, std::move(grad), std::nullopt, std::nullopt, fn);
+  slot = std::move(sum.buffer[0]);
+}
+
 // Replays a small CPU graph in the calling thread. Engine::execute costs
 // several microseconds per call whatever the graph's size (a graph task,
 // thread-local state, a ready queue); a leaf's graph is usually a handful of
@@ -738,7 +750,11 @@ std::optional<variable_list> replay_inline(
     }
   }
 
-  std::vector<torch::autograd::InputBuffer> buffers;
+  // Each node's incoming gradients. An InputBuffer would cost four vectors
+  // per node (stream and event slots, unused on the CPU); it is only needed
+  // to sum a second gradient into a slot, which accumulate() does with
+  // exactly its rules (in place when it may, sparse operands first).
+  std::vector<variable_list> buffers;
   buffers.reserve(nodes.size());
   for (auto* fn : nodes) {
     buffers.emplace_back(fn->num_inputs());
@@ -753,7 +769,7 @@ std::optional<variable_list> replay_inline(
       results[s] = results[s].defined() ? results[s] + grad : std::move(grad);
     } else {
       auto i = index_of(edge.function.get());
-      buffers[i].add(edge.input_nr, std::move(grad), std::nullopt, std::nullopt, nodes[i]);
+      accumulate(buffers[i][edge.input_nr], std::move(grad), nodes[i]);
     }
   };
   for (size_t k = 0; k < roots.size(); ++k) {
@@ -771,7 +787,7 @@ std::optional<variable_list> replay_inline(
     const size_t n = ready.back();
     ready.pop_back();
     Node* fn = nodes[n];
-    auto outputs = (*fn)(std::move(buffers[n].buffer));
+    auto outputs = (*fn)(std::move(buffers[n]));
     torch::autograd::validate_outputs(
         fn->next_edges(), outputs, [fn](const std::string& msg) {
           return "Function " + fn->name() + " returned an " + msg;
