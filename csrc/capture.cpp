@@ -668,6 +668,7 @@ TensorList run_real(
 
 namespace {
 
+#if TORCHLEAF_INLINE_REPLAY_SUPPORTED
 // Sums `grad` into `slot` as the engine does (InputBuffer::add).
 void accumulate(at::Tensor& slot, at::Tensor&& grad, Node* fn) {
   if (!slot.defined()) {
@@ -679,6 +680,7 @@ void accumulate(at::Tensor& slot, at::Tensor&& grad, Node* fn) {
   sum.add(0, std::move(grad), std::nullopt, std::nullopt, fn);
   slot = std::move(sum.buffer[0]);
 }
+#endif
 
 // Replays a small CPU graph in the calling thread. Engine::execute costs
 // several microseconds per call whatever the graph's size (a graph task,
