@@ -16,6 +16,7 @@
 #include <torch/csrc/dynamo/compiled_autograd.h>
 
 #include <sstream>
+#include <typeinfo>
 #include <unordered_map>
 
 #include <torchleaf/config.h>
@@ -122,13 +123,43 @@ struct LeafRouter final : public Node {
   std::vector<InputMeta> zero_meta_;
 };
 
+// An alias of `t` outside any autograd graph: what t.detach() returns (a
+// shallow copy sharing t's version counter, without autograd metadata). A
+// plain tensor gets it directly, one TensorImpl where the dispatcher's
+// detach makes two through three kernels (~2k instructions, paid per input
+// and per output of every call). Tensors and states whose detach a dispatch
+// key may change -- subclasses, functorch and functional wrappers, Python
+// dispatch, inference mode -- take detach() itself.
+at::Tensor detached(const at::Tensor& t) {
+  constexpr auto dispatched_keys = c10::DispatchKeySet(
+      {c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot});
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (typeid(*impl) != typeid(c10::TensorImpl) || impl->key_set().has_any(dispatched_keys) ||
+      impl->is_inference() || c10::InferenceMode::is_enabled() ||
+      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python)) {
+    return t.detach();
+  }
+  return at::Tensor(impl->shallow_copy_and_detach(
+      /*version_counter=*/impl->version_counter(),
+      /*allow_tensor_metadata_change=*/false));
+}
+
+// Whether `fn` is a leaf tensor's AccumulateGrad. PyTorch makes those (as
+// this file makes its sinks) with sequence number UINT64_MAX, which rules
+// out the body's nodes before a dynamic_cast (~370 instructions each).
+// test_capture.cpp pins that numbering.
+bool is_accumulate_grad(const Node* fn) {
+  return fn != nullptr && fn->sequence_nr() == UINT64_MAX &&
+      dynamic_cast<const torch::autograd::AccumulateGrad*>(fn) != nullptr;
+}
+
 // An alias of `t` whose gradient flows into a new sink, recorded in `state`.
 // `caller_edge`, if any, is where the sink forwards once activated.
 at::Tensor sink_alias(
     const at::Tensor& t,
     CapturedState& state,
     const Edge* caller_edge = nullptr) {
-  at::Tensor alias = t.detach();
+  at::Tensor alias = detached(t);
   auto sink = c10::make_intrusive<InputSink>(state.entry);
   if (caller_edge != nullptr) {
     sink->set_next_edges({*caller_edge});
@@ -261,7 +292,7 @@ class CallMembership {
     if (sink_index(state_, fn) >= 0) {
       return true;
     }
-    if (dynamic_cast<const torch::autograd::AccumulateGrad*>(fn) != nullptr) {
+    if (is_accumulate_grad(fn)) {
       return false;
     }
     if (fn->thread_id() == thread_ && fn->sequence_nr() < first_sequence_nr_) {
@@ -386,7 +417,7 @@ void walk_captured_graph(
   for (auto& e : state.output_edges) {
     // An output that is itself a leaf (made inside the function, or a
     // closure's leaf returned as is) has no history to lose.
-    if (dynamic_cast<torch::autograd::AccumulateGrad*>(e.function.get()) == nullptr) {
+    if (!is_accumulate_grad(e.function.get())) {
       visit(e);
     }
   }
@@ -551,7 +582,7 @@ TensorList run_real(
           : nullptr;
       inner.push_back(sink_alias(t, *state, caller_edge));
     } else {
-      inner.push_back(t.detach());
+      inner.push_back(detached(t));
     }
     // Inference tensors have no version counter (and cannot be changed in
     // place outside inference mode).
@@ -623,7 +654,7 @@ TensorList run_real(
       // there.
       for (size_t i = 0; i < outputs.size(); ++i) {
         if (!state->output_edges[i].is_valid() && outputs[i].requires_grad()) {
-          outputs[i] = outputs[i].detach();
+          outputs[i] = detached(outputs[i]);
         }
       }
     }
@@ -648,7 +679,7 @@ TensorList run_real(
             "torch.no_grad() if no gradient is wanted, or set "
             "torchleaf.config.check_escaped_gradients = False (C++: "
             "LeafOptions::check_escaped) to drop its gradient knowingly.");
-        out = out.detach();
+        out = detached(out);
       }
       // A graph owns its operators' outputs: Inductor reuses a dead output's
       // buffer for an in-place kernel. An output whose storage something
@@ -964,7 +995,7 @@ void attach_to_caller(
   router->set_next_edges(std::move(router_edges));
   for (size_t k = 0; k < outputs.size(); ++k) {
     if (outputs[k].requires_grad()) {
-      outputs[k] = outputs[k].detach();
+      outputs[k] = detached(outputs[k]);
     }
     if (torch::autograd::isDifferentiableType(outputs[k].scalar_type())) {
       torch::autograd::set_history(outputs[k], router);

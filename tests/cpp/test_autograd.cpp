@@ -229,6 +229,51 @@ at::Tensor chain(const at::Tensor& w, int n) {
 
 } // namespace
 
+// The walk that decides which nodes belong to a call recognizes a leaf
+// tensor's AccumulateGrad by its sequence number (UINT64_MAX) before a
+// dynamic_cast. If PyTorch numbered them otherwise, an output that is a leaf
+// made inside the function would be reported as an escaped tensor: this
+// breaks first.
+TEST(Autograd, LeafTensorsMadeInsideAreOutputsNotEscapes) {
+  auto made = torch::randn({3}, torch::requires_grad(true));
+  ASSERT_EQ(torch::autograd::impl::grad_accumulator(made)->sequence_nr(), UINT64_MAX);
+
+  auto leaf = torchleaf::define_leaf(
+      unique_name("makes_a_leaf"),
+      [](const TensorList& in) {
+        return TensorList{in[0] * 2, torch::ones({3}, torch::requires_grad(true))};
+      },
+      [](const TensorList& in) {
+        return TensorList{at::empty_like(in[0]), at::empty({3}, in[0].options())};
+      });
+  auto x = torch::randn({3}, torch::requires_grad(true));
+  auto out = leaf({x}); // with the escaped-gradient check on
+  (out[0].sum() + out[1].sum()).backward();
+  EXPECT_TRUE(torch::allclose(x.grad(), torch::full({3}, 2.0)));
+}
+
+// The function sees detached aliases of its inputs that share their version
+// counters, with or without autograd recording: an undeclared in-place
+// change is caught either way, and the caller's tensor saw it.
+TEST(Autograd, InputAliasesShareTheCallersVersionCounter) {
+  auto sneaky = torchleaf::define_leaf(
+      unique_name("sneaky_recorded"),
+      [](const TensorList& in) {
+        auto h = in[0] * 1;
+        in[1].add_(1);
+        return TensorList{h};
+      },
+      [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; });
+  auto x = torch::ones({2}, torch::requires_grad(true));
+  auto y = torch::ones({2});
+  EXPECT_THROW_WITH(sneaky({x, y}), "mutated its input 1");
+  EXPECT_TRUE(torch::allclose(y, torch::full({2}, 2.0)));
+  auto z = torch::ones({2}).requires_grad_();
+  auto z_view = z * 1; // a non-leaf requiring grad: the aliased input is captured
+  EXPECT_THROW_WITH(sneaky({y, z_view}), "mutated its input 1");
+  EXPECT_EQ(torchleaf::live_states(), 0);
+}
+
 // Sequence numbers count per thread. A closure tensor whose graph another
 // thread built has numbers unrelated to the call's; with the escaped-gradient
 // check off, the walk must still cut only the call's own edge to it, never an
