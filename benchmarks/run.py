@@ -104,7 +104,7 @@ def main():
             counts = str(e)
             log(f"  not counted: {counts}")
 
-    targets = report.compute_targets(results, cpp, memory)
+    targets = report.compute_targets(results, cpp, memory, counts)
     if args.out or args.quick:
         out_dir = args.out or tempfile.mkdtemp(prefix="torchleaf-bench-")
         os.makedirs(out_dir, exist_ok=True)

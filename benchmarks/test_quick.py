@@ -47,3 +47,22 @@ def test_instruction_section_derives_the_leafs_extra_costs():
     assert "minus the above) | 8.0 |" in text  # recording: 51.5 - 43.5
     missing = report.instructions_markdown("valgrind is not installed (apt-get install valgrind)")
     assert "Not counted: valgrind is not installed (apt-get install valgrind)" in missing
+
+
+def test_targets_compare_instruction_counts_when_counted():
+    """The small-body targets are also judged in instructions per step (which
+    the machine's load does not move), from the same run's counts; without
+    counts (--quick, or no valgrind) there are no such rows."""
+    sys.path.insert(0, HERE)
+    import report
+
+    counts = {"step: custom_op": 651.0, "step: torchleaf": 648.5,
+              "inductor step: custom_op": 597.2, "inductor step: torchleaf": 634.0}
+    rows = {name: (measured, verdict) for name, measured, verdict in report.compute_targets({}, {}, {}, counts)
+            if "instructions" in name}
+    assert len(rows) == 2, rows
+    aot, inductor = (rows[n] for n in sorted(rows))  # "aot_eager" < "inductor"
+    assert aot == ("648.5k vs 651.0k (-2.5k)", "PASS")
+    assert inductor == ("634.0k vs 597.2k (+36.8k)", "MISS")
+    for missing in (None, "valgrind is not installed (apt-get install valgrind)"):
+        assert not [t for t in report.compute_targets({}, {}, {}, missing) if "instructions" in t[0]]
