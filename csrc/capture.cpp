@@ -147,7 +147,7 @@ at::Tensor detached(const at::Tensor& t) {
 // Whether `fn` is a leaf tensor's AccumulateGrad. PyTorch makes those (as
 // this file makes its sinks) with sequence number UINT64_MAX, which rules
 // out the body's nodes before a dynamic_cast (~370 instructions each).
-// test_capture.cpp pins that numbering.
+// test_autograd.cpp (LeafTensorsMadeInsideAreOutputsNotEscapes) pins it.
 bool is_accumulate_grad(const Node* fn) {
   return fn != nullptr && fn->sequence_nr() == UINT64_MAX &&
       dynamic_cast<const torch::autograd::AccumulateGrad*>(fn) != nullptr;
