@@ -835,7 +835,7 @@ def _autocast_state():
 def _invoke_compiled(leaf, fn, plan, tensors, arguments, fake):
     """_invoke under the autocast state a compiled plan was traced under."""
     state = plan.autocast
-    if state is None and not torch._C._is_any_autocast_enabled():
+    if state is None and not _is_any_autocast_enabled():
         return _invoke(leaf, fn, plan, tensors, arguments, fake)
     enabled = dict(state[0]) if state is not None else {}
     with contextlib.ExitStack() as stack:
@@ -864,6 +864,9 @@ def _check_autocast_dtypes(leaf, plan, flat):
             )
 
 
+_is_any_autocast_enabled = torch._C._is_any_autocast_enabled
+
+
 def _live_leaf(leaf_ref):
     leaf = leaf_ref()
     if leaf is None:  # the core entry is removed with the leaf; a call in flight raced it
@@ -874,16 +877,27 @@ def _live_leaf(leaf_ref):
 def _run_real(leaf_ref, plan_index, tensors, arguments):
     """Called by the core: run the user's function for one call. Returns the
     output tensors and the output description."""
-    leaf = _live_leaf(leaf_ref)
+    leaf = leaf_ref()
+    if leaf is None:
+        _live_leaf(leaf_ref)  # raises
     plan = leaf._plans[plan_index]
     try:
         if plan.ordered:
-            out = _invoke_compiled(leaf, leaf._fn, plan, tensors, arguments, fake=False)
+            if plan.positional and plan.autocast is None and not _is_any_autocast_enabled():
+                # The common compiled call, inline (what _invoke_compiled and
+                # _invoke do for it): each Python frame on this path is paid,
+                # and its code fetched cold, on every training step.
+                out = leaf._fn(*tensors[: len(plan.slots)])
+            else:
+                out = _invoke_compiled(leaf, leaf._fn, plan, tensors, arguments, fake=False)
         else:
             out = _invoke(leaf, leaf._fn, plan, tensors, arguments, fake=False)
     except BaseException as e:
         _add_note(e, f"raised inside the real function of leaf function '{leaf._name}'")
         raise
+    if isinstance(out, _Tensor) and plan.out is _SINGLE and plan.out_dtypes is None:
+        # One tensor, as traced: _flatten_output's and check_output's answer.
+        return ([out, None] if plan.ordered else [out]), _SINGLE
     flat, desc = _flatten_output(leaf, out)
     if arguments is None:
         # Called through the operator (a graph, or a dispatch mode that runs
