@@ -209,12 +209,16 @@ void unregister_leaf(int64_t id) {
   // the GIL, which a thread waiting for this lock may hold.
 }
 
-LeafEntryPtr get_leaf(int64_t id) {
+LeafEntryPtr find_leaf(int64_t id) {
   auto& reg = registry();
   std::shared_lock<std::shared_mutex> lock(reg.mutex);
   auto it = reg.by_id.find(id);
-  if (it != reg.by_id.end()) {
-    return it->second;
+  return it != reg.by_id.end() ? it->second : nullptr;
+}
+
+LeafEntryPtr get_leaf(int64_t id) {
+  if (auto entry = find_leaf(id)) {
+    return entry;
   }
   if (id & kNamedBit) {
     TORCH_CHECK(

@@ -100,6 +100,9 @@ TORCHLEAF_API void unregister_leaf(int64_t id);
 // The entry for `id`; a clear error when there is none.
 TORCHLEAF_API LeafEntryPtr get_leaf(int64_t id);
 
+// The entry for `id`, or nullptr when there is none.
+TORCHLEAF_API LeafEntryPtr find_leaf(int64_t id);
+
 // The entry whose name is `name`, or nullptr.
 TORCHLEAF_API LeafEntryPtr find_leaf_entry(const std::string& name);
 

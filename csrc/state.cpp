@@ -165,6 +165,16 @@ std::shared_ptr<CapturedState> lookup_state(
   return state;
 }
 
+std::shared_ptr<CapturedState> lookup_state(const at::Tensor& handle, int64_t leaf) {
+  if (is_concrete_handle(handle) && is_handle_storage(handle)) {
+    const auto& held = static_cast<const HandleBox*>(handle.storage().data_ptr().get_context())->state;
+    if (held->entry->id == leaf && handle.scalar_type() == at::kLong && handle.dim() == 0) {
+      return held;
+    }
+  }
+  return lookup_state(handle, *get_leaf(leaf));
+}
+
 at::Tensor stack_state_handles(at::TensorList handles) {
   TORCH_CHECK(!handles.empty(), "stack_state_handles: no handles");
   const auto shape = handles[0].sizes().vec();

@@ -70,6 +70,13 @@ std::shared_ptr<CapturedState> lookup_state(
     const at::Tensor& handle,
     const LeafEntry& entry);
 
+// The same for a backward that has only its leaf's id: the state that the
+// handle itself holds names its leaf (and keeps the leaf's entry alive), so
+// the registry is asked only when that is not the leaf `leaf`, or the handle
+// is a copy or a stacked handle, or it is not a handle at all (errors name
+// the leaf from the registry).
+std::shared_ptr<CapturedState> lookup_state(const at::Tensor& handle, int64_t leaf);
+
 // One handle of shape [N, *S] for N handles of shape S (each a handle, or a
 // view of one that this function made): element i of the result names the
 // state that element of handles[i] names. A per-sample loop under vmap

@@ -86,19 +86,19 @@ bool has_forward_tangent(const at::Tensor& t) {
 } // namespace
 
 void check_no_forward_tangents(
-    const LeafEntry& entry,
+    const std::string& leaf_name,
     at::TensorList inputs,
     at::TensorList mutated) {
   for (size_t i = 0; i < inputs.size() + mutated.size(); ++i) {
     const auto& t = i < inputs.size() ? inputs[i] : mutated[i - inputs.size()];
     TORCHLEAF_CHECK(
         !has_forward_tangent(t),
-        entry.name,
+        leaf_name,
         "received a forward-mode AD tangent at input ",
         i,
         ", but forward-mode AD (jvp, make_dual) is not supported through leaf "
         "function '",
-        entry.name,
+        leaf_name,
         "'; the tangent would be silently lost. Use reverse-mode AD through "
         "the leaf (torch.autograd.grad or .backward(); in eager mode a jvp is "
         "the gradient of a vjp with respect to its cotangent, with "
@@ -118,7 +118,7 @@ FlatInputs merge_inputs(
   // Also here, not only in the Autograd kernel: under nested functorch
   // transforms (jvp of grad) the tangents sit on tensors that only the
   // kernels below Autograd see.
-  check_no_forward_tangents(entry, inputs, mutated);
+  check_no_forward_tangents(entry.name, inputs, mutated);
   flat.tensors.reserve(total);
   flat.input_positions.reserve(inputs.size());
   const auto& declared = entry.options.mutates_inputs;
@@ -181,13 +181,13 @@ void append_input_meta(std::vector<c10::SymInt>& meta, const at::Tensor& t) {
 }
 
 std::vector<DecodedInputMeta> decode_input_meta(
-    const LeafEntry& entry,
+    const std::string& leaf_name,
     c10::SymIntArrayRef meta) {
   // Reachable with arbitrary values from C++ callers of torchleaf::backward:
   // every read is bounds-checked.
   auto fail = [&](size_t at, const std::string& what) {
     detail::throw_leaf_error(
-        entry.name,
+        leaf_name,
         c10::str(
             "backward received malformed input_meta (",
             meta.size(),
@@ -377,8 +377,7 @@ TensorList backward_kernel(
     const at::Tensor& state,
     const c10::List<std::optional<at::Tensor>>& grads,
     c10::SymIntArrayRef /*input_meta*/) {
-  auto entry = get_leaf(leaf);
-  auto captured = lookup_state(state, *entry);
+  auto captured = lookup_state(state, leaf);
   auto grads_in = replay(*captured, to_vector(grads));
   release_after_backward(state);
   // The fake kernel knows only the inputs' sizes and promises contiguous
@@ -397,9 +396,13 @@ TensorList backward_meta(
     const at::Tensor& /*state*/,
     const c10::List<std::optional<at::Tensor>>& /*grads*/,
     c10::SymIntArrayRef input_meta) {
-  auto entry = get_leaf(leaf);
+  // The gradients' metadata is all in input_meta: a backward traced
+  // lazily (Inductor compiles it at the first backward) needs no live leaf,
+  // as its replay does not (the state keeps what it needs).
+  auto entry = find_leaf(leaf);
   TensorList out;
-  for (const auto& meta : decode_input_meta(*entry, input_meta)) {
+  for (const auto& meta :
+       decode_input_meta(entry ? entry->name : c10::str("<id ", leaf, ">"), input_meta)) {
     out.push_back(at::empty_symint(
         meta.sizes, at::TensorOptions().dtype(meta.dtype).device(at::kMeta)));
   }

@@ -79,11 +79,11 @@ FlatInputs merge_inputs(
     at::TensorList inputs,
     at::TensorList mutated);
 
-// Fails with a clear error naming `entry` when any input carries a
+// Fails with a clear error naming the leaf when any input carries a
 // forward-mode AD tangent (make_dual, torch.func.jvp): the captured graph
 // only runs backward, so the tangent would be lost without a word.
 void check_no_forward_tangents(
-    const LeafEntry& entry,
+    const std::string& leaf_name,
     at::TensorList inputs,
     at::TensorList mutated);
 
@@ -145,9 +145,9 @@ struct DecodedInputMeta {
   std::vector<c10::SymInt> sizes;
 };
 // The inverse of append_input_meta, checked: malformed metadata (it reaches
-// torchleaf::backward from any C++ caller) is a clear error naming `entry`.
+// torchleaf::backward from any C++ caller) is a clear error naming the leaf.
 TORCHLEAF_API std::vector<DecodedInputMeta> decode_input_meta(
-    const LeafEntry& entry,
+    const std::string& leaf_name,
     c10::SymIntArrayRef meta);
 
 } // namespace torchleaf::ops

@@ -403,6 +403,37 @@ def test_a_graph_that_outlives_its_leaf_fails_clearly():
         gm(torch.ones(2))
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_backward_in_flight_outlives_its_leaf(backend):
+    """As with a plain function, the forward's graph is all a backward needs:
+    the leaf, its compiled function and the leaf's Python objects may be gone
+    (each state keeps its leaf's core entry, not the Python function)."""
+
+    def make():
+        @torchleaf.leaf_function
+        def temporary(x):
+            return x.sin() * 2
+
+        @temporary.register_fake
+        def _(x):
+            return torch.empty_like(x)
+
+        return temporary
+
+    leaf = make()
+    ref = weakref.ref(leaf)
+    compiled = torch.compile(lambda x: leaf(x).sum(), backend=backend, fullgraph=True)
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    loss = compiled(x)
+    del leaf, compiled
+    gc.collect()
+    assert ref() is None
+    loss.backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach().cos())
+    del loss
+    assert torchleaf.live_states() == 0
+
+
 @pytest.mark.parametrize("mode", ["eager", "make_fx", "aot_eager"])
 def test_positional_constants_reach_the_function(mode):
     @torchleaf.leaf_function

@@ -262,7 +262,7 @@ void forward_autograd_kernel(
   }
   // A jvp outside a gradient transform (hessian, jacfwd of jacrev): the
   // tangents are on this level's inputs.
-  check_no_forward_tangents(*entry, tensors, {});
+  check_no_forward_tangents(entry->name, tensors, {});
   variable_list tracked;
   if (at::GradMode::is_enabled()) {
     for (const auto& t : tensors) {
@@ -350,7 +350,7 @@ std::tuple<TensorList, at::Tensor> forward_unboxed_autograd_kernel(
     forward_autograd_kernel(op, keys, &stack);
     return {std::move(stack[0]).toTensorVector(), std::move(stack[1]).toTensor()};
   }
-  check_no_forward_tangents(*get_leaf(leaf), inputs, {});
+  check_no_forward_tangents(get_leaf(leaf)->name, inputs, {});
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return typed.redispatch(
       keys & c10::after_ADInplaceOrView_keyset, leaf, plan, inputs, differentiable);
@@ -366,7 +366,13 @@ TensorList backward_autograd_kernel(
     const at::Tensor& state,
     const c10::List<std::optional<at::Tensor>>& grads,
     c10::SymIntArrayRef input_meta) {
-  auto entry = get_leaf(leaf);
+  // A real handle's state names the leaf and keeps its entry: no registry
+  // lookup on each step, and a backward (or, traced lazily as Inductor does,
+  // its fake) works after the leaf was deleted, as the replay needs only the
+  // state.
+  const bool real_handle = !is_functorch_wrapped(state) && is_concrete_handle(state);
+  auto captured = real_handle ? lookup_state(state, leaf) : nullptr;
+  auto entry = captured ? captured->entry : find_leaf(leaf);
   TensorList defined;
   for (const auto& g : grads) {
     const std::optional<at::Tensor> grad = g;
@@ -375,7 +381,8 @@ TensorList backward_autograd_kernel(
     }
   }
   // A jvp of a vjp (jacfwd of jacrev): the tangents are on the gradients.
-  check_no_forward_tangents(*entry, defined, {});
+  const std::string unregistered = entry ? std::string() : c10::str("<id ", leaf, ">");
+  check_no_forward_tangents(entry ? entry->name : unregistered, defined, {});
   TensorList out;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -391,12 +398,12 @@ TensorList backward_autograd_kernel(
     }
   }
   torch::autograd::Edge outer;
-  if (!is_functorch_wrapped(state) && is_concrete_handle(state)) {
-    outer = lookup_state(state, *entry)->refused_outer;
+  if (captured) {
+    outer = captured->refused_outer;
   }
   if (!tracked.empty() || outer.is_valid()) {
     refuse_backward_through(
-        std::move(entry),
+        entry ? std::move(entry) : get_leaf(leaf),
         c10::str("computed a gradient that is being differentiated again", kTwiceDifferentiated),
         tracked,
         out,
@@ -477,7 +484,7 @@ std::optional<TensorList> call_autograd(
   // First, so that a wrong count is reported as such, not as whatever the
   // checks below would make of it.
   entry.check_input_count(inputs.size() + mutated.size());
-  check_no_forward_tangents(entry, inputs, mutated);
+  check_no_forward_tangents(entry.name, inputs, mutated);
   std::vector<int64_t> differentiable;
   if (at::GradMode::is_enabled()) {
     for (size_t i = 0; i < inputs.size(); ++i) {
