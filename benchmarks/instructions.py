@@ -24,6 +24,7 @@ named "inductor"):
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -106,7 +107,52 @@ def _child(name, n, ready, done):
     time.sleep(2)  # ... and off
 
 
-def _count(name, n, keep=None, valgrind_args=()):
+# Parts of a compiled step found by function in callgrind's inclusive counts:
+# PyTorch's own symbols (libtorch keeps them; a stripped torchleaf build
+# would not), each (part, pattern of callgrind_annotate's function line).
+PARTS = (
+    # Inductor's size-and-stride check of a graph input or an extern
+    # kernel's output.
+    ("size asserts", r"::assert_size_stride\(_object\*, _object\*\) \["),
+    # Autograd nodes of aten operators run in a compiled step: only the
+    # leaf's replay runs any (compiled backwards call aten without autograd).
+    ("replayed backward nodes",
+     r"torch::autograd::generated::\w+::apply\(std::vector<at::Tensor, std::allocator<at::Tensor> >&&\) \["),
+)
+_ANNOTATED = re.compile(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+([<*>])\s+(.*)$")
+_CALLS = re.compile(r"\(([\d,]+)x\) \[")
+
+
+def _parts(out_file, n):
+    """{part: (thousands of instructions per call, calls per call)} for
+    PARTS in one callgrind output of ``n`` calls. Counts are inclusive: a
+    part's callees are in it."""
+    text = subprocess.run(
+        ["callgrind_annotate", "--show=Ir", "--tree=caller", "--inclusive=yes", "--threshold=100", out_file],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    found = {part: [0, 0] for part, _ in PARTS}
+    calls = 0  # from the caller lines ("<") above a function's line ("*")
+    for line in text.splitlines():
+        m = _ANNOTATED.match(line)
+        if m is None:
+            calls = 0
+            continue
+        cost, kind, rest = int(m.group(1).replace(",", "")), m.group(2), m.group(3)
+        if kind == "<":
+            c = _CALLS.search(rest)
+            calls += int(c.group(1).replace(",", "")) if c else 0
+            continue
+        if kind == "*":
+            for part, pattern in PARTS:
+                if re.search(pattern, rest):
+                    found[part][0] += cost
+                    found[part][1] += calls
+        calls = 0
+    return {part: (ir / n / 1e3, c / n) for part, (ir, c) in found.items()}
+
+
+def _count(name, n, keep=None, valgrind_args=(), parts=False):
     with tempfile.TemporaryDirectory() as tmp:
         ready, done = os.path.join(tmp, "ready"), os.path.join(tmp, "done")
         log = os.path.join(tmp, "log")
@@ -130,7 +176,8 @@ def _count(name, n, keep=None, valgrind_args=()):
         with open(log) as f:
             refs = [line for line in f if "Collected" in line]
         # (Instructions come first; cache or branch simulation adds columns.)
-        return int(refs[-1].split(":")[-1].replace(",", "").split()[0]) / n
+        count = int(refs[-1].split(":")[-1].replace(",", "").split()[0]) / n
+        return (count, _parts(f"{tmp}/out", n)) if parts else count
 
 
 # What `make bench` counts for BENCHMARKS.md (report.instructions_markdown).
@@ -141,20 +188,31 @@ BENCH_STAGES = (
 )
 
 
+def part_key(stage, part, calls=False):
+    """The key of a step stage's part in run()'s counts."""
+    return f"{stage} | {part}" + (" | calls" if calls else "")
+
+
 def run(stages=BENCH_STAGES, n=100, jobs=2, log=print):
     """{stage: thousands of instructions per call}, ``jobs`` stages at a
     time (callgrind runs one process on one core; counts do not depend on
-    the load). Raises RuntimeError without valgrind."""
+    the load), and for each compiled step stage its PARTS (part_key: thousands
+    of instructions, calls per step). Raises RuntimeError without valgrind."""
     import concurrent.futures
 
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise RuntimeError("valgrind is not installed (apt-get install valgrind)")
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        futures = {name: pool.submit(_count, name, n) for name in stages}
+        futures = {name: pool.submit(_count, name, n, parts="step: " in name) for name in stages}
         counts = {}
         for name, future in futures.items():
-            counts[name] = future.result() / 1e3
+            result = future.result()
+            count, parts = result if isinstance(result, tuple) else (result, {})
+            counts[name] = count / 1e3
             log(f"  {name}: {counts[name]:.1f}k")
+            for part, (k, calls) in parts.items():
+                counts[part_key(name, part)] = k
+                counts[part_key(name, part, calls=True)] = calls
     return counts
 
 

@@ -7,6 +7,7 @@ import subprocess
 import torch
 
 from implementations import BODIES, IMPLEMENTATIONS
+from instructions import part_key
 from overhead import MODES, Unsupported
 
 LABELS = {impl.key: impl.label for impl in IMPLEMENTATIONS}
@@ -114,11 +115,15 @@ def compute_targets(results, cpp, memory, instructions=None):
     if isinstance(instructions, dict):
         for mode, prefix in (("aot_eager", "step: "), ("inductor", "inductor step: ")):
             tl, custom = instructions.get(prefix + "torchleaf"), instructions.get(prefix + "custom_op")
+            parts = inductor_step_parts(instructions) if mode == "inductor" else None
             add(
                 f"compile({mode}) fwd+bwd, small body, in CPU instructions per step (callgrind; "
                 "processes differ by up to ~5k): torchleaf ≤ custom_op",
                 f"{_fmt(tl)}k vs {_fmt(custom)}k"
-                + ("" if tl is None or custom is None else f" ({tl - custom:+.1f}k)"),
+                + ("" if tl is None or custom is None else f" ({tl - custom:+.1f}k)")
+                + ("" if parts is None else
+                   f"; {parts['structural']:.1f}k of it is the replay's structure, {parts['rest']:+.1f}k the rest "
+                   "(see \"Where the compiled overhead goes\")"),
                 None if tl is None or custom is None else tl <= custom,
             )
     tl, fn = ovh("eager_fwdbwd", "torchleaf"), ovh("eager_fwdbwd", "autograd_function")
@@ -188,6 +193,75 @@ def _python_table(results, body, footnotes):
     return lines
 
 
+def inductor_step_parts(counts):
+    """What the leaf's Inductor step executes that custom_op's does not, by
+    part (thousands of instructions per step, from the same run's counts):
+    {"asserts": (custom_op, leaf), "asserts calls": (custom_op, leaf),
+    "replayed": leaf, "recording": leaf, "step": (custom_op, leaf),
+    "structural": the three parts' sum over custom_op's, "rest": the step's
+    difference less that}, or None where something was not counted."""
+    if not isinstance(counts, dict):
+        return None
+    tl, co = "inductor step: torchleaf", "inductor step: custom_op"
+    keys = (tl, co, part_key(tl, "size asserts"), part_key(co, "size asserts"),
+            part_key(tl, "replayed backward nodes"), "body recording autograd", "body")
+    if any(counts.get(key) is None for key in keys):
+        return None
+    asserts = (counts[part_key(co, "size asserts")], counts[part_key(tl, "size asserts")])
+    replayed = counts[part_key(tl, "replayed backward nodes")] - counts.get(part_key(co, "replayed backward nodes"), 0.0)
+    recording = counts["body recording autograd"] - counts["body"]
+    structural = asserts[1] - asserts[0] + replayed + recording
+    return {
+        "step": (counts[co], counts[tl]),
+        "asserts": asserts,
+        "asserts calls": (counts.get(part_key(co, "size asserts", calls=True)),
+                          counts.get(part_key(tl, "size asserts", calls=True))),
+        "replayed": replayed,
+        "recording": recording,
+        "structural": structural,
+        "rest": counts[tl] - counts[co] - structural,
+    }
+
+
+def _inductor_parts_markdown(parts):
+    if parts is None:
+        return []
+    (co, tl), (aco, atl) = parts["step"], parts["asserts"]
+    nco, ntl = parts["asserts calls"]
+
+    def calls(n):
+        return "" if n is None else f" ({n:.0f} calls)"
+
+    return [
+        "What the leaf's Inductor step executes that custom_op's does not (thousands of instructions "
+        "per step, this run; the asserts and the replayed nodes are callgrind's inclusive counts of "
+        "PyTorch's functions `assert_size_stride` and `torch::autograd::generated::*::apply` in the "
+        "step stages, the recording is the stage difference above):",
+        "",
+        "| part | custom_op | torchleaf | difference | why the leaf has it |",
+        "|---|---:|---:|---:|---|",
+        f"| the whole step | {co:.1f} | {tl:.1f} | {tl - co:+.1f} | |",
+        f"| Inductor's size asserts | {aco:.1f}{calls(nco)} | {atl:.1f}{calls(ntl)} | {atl - aco:+.1f} | "
+        "the state handle is a tensor, checked as the forward's output and as the backward's input, and "
+        "the backward is an extern operator whose output is checked |",
+        f"| the body's backward nodes, replayed | — | {parts['replayed']:.1f} | {parts['replayed']:+.1f} | "
+        "a leaf's backward is the graph its body recorded, run as eager autograd nodes; custom_op's "
+        "hand-written formula is compiled into the backward kernel |",
+        f"| recording that graph in the forward | — | {parts['recording']:.1f} | {parts['recording']:+.1f} | "
+        "the capture itself |",
+        f"| everything else | {co - aco:.1f} | {tl - atl - parts['replayed'] - parts['recording']:.1f} | "
+        f"{parts['rest']:+.1f} | operator entries, state lookup and release, the order token |",
+        "",
+        "The first three rows are what a replayed backward is under Inductor 2.13; they cannot go "
+        "without giving up the replay (a hand-written backward) or the tensor handle. A non-tensor "
+        "handle would skip two of the asserts (Inductor checks no opaque object), but AOTAutograd "
+        "2.13 saves a non-tensor for backward only when it is a registered Python opaque type "
+        "(`runtime_wrappers.py` asserts `is_opaque_type`; a TorchBind object is not one), which a "
+        "C++ core and AOTInductor cannot produce. The last row is what is left to shave.",
+        "",
+    ]
+
+
 def instructions_markdown(counts):
     """The instruction-count section: where the compiled overhead goes."""
     out = [
@@ -246,7 +320,7 @@ def instructions_markdown(counts):
         "docs/profile.md breaks the step down further.",
         "",
     ]
-    return out
+    return out + _inductor_parts_markdown(inductor_step_parts(counts))
 
 
 def markdown(*, info, settings_note, results, cpp, cpp_error, memory, targets, plot_name, load, elapsed_s, module=None,

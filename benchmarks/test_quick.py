@@ -49,6 +49,63 @@ def test_instruction_section_derives_the_leafs_extra_costs():
     assert "Not counted: valgrind is not installed (apt-get install valgrind)" in missing
 
 
+def test_inductor_gap_is_split_into_the_replays_parts_and_the_rest():
+    """The Inductor step's difference from custom_op is split into what a
+    replay is (the extra size asserts, the replayed nodes, the recording),
+    from the parts counted in the step stages, and the rest; the target row
+    reports both."""
+    sys.path.insert(0, HERE)
+    import report
+    from instructions import part_key
+
+    tl, co = "inductor step: torchleaf", "inductor step: custom_op"
+    counts = {
+        co: 594.0, tl: 634.0, "body": 44.0, "body recording autograd": 52.0,
+        part_key(co, "size asserts"): 12.0, part_key(co, "size asserts", calls=True): 3.0,
+        part_key(tl, "size asserts"): 24.5, part_key(tl, "size asserts", calls=True): 6.0,
+        part_key(co, "replayed backward nodes"): 0.0, part_key(tl, "replayed backward nodes"): 13.0,
+    }
+    parts = report.inductor_step_parts(counts)
+    assert parts["structural"] == 12.5 + 13.0 + 8.0
+    assert parts["rest"] == 40.0 - 33.5
+    text = "\n".join(report.instructions_markdown({**counts, "step: plain": 600.0}))
+    assert "| Inductor's size asserts | 12.0 (3 calls) | 24.5 (6 calls) | +12.5 |" in text
+    assert "| everything else | 582.0 | 588.5 | +6.5 |" in text
+    rows = [m for name, m, _ in report.compute_targets({}, {}, {}, counts) if "inductor" in name and "instr" in name]
+    assert rows == ["634.0k vs 594.0k (+40.0k); 33.5k of it is the replay's structure, +6.5k the rest "
+                    "(see \"Where the compiled overhead goes\")"]
+    # Without the parts (an older run's counts), no split and no table.
+    del counts[part_key(tl, "size asserts")]
+    assert report.inductor_step_parts(counts) is None
+    assert "everything else" not in "\n".join(report.instructions_markdown(counts))
+
+
+def test_parts_are_read_from_callgrinds_caller_tree(tmp_path, monkeypatch):
+    """instructions._parts sums a part's inclusive cost and its calls (from
+    the caller lines above it) in callgrind_annotate's caller tree."""
+    sys.path.insert(0, HERE)
+    import instructions
+
+    annotated = """
+    4,000 ( 1.00%)  < ???:caller_a (600x) [libx.so]
+      900 ( 0.10%)  < ???:caller_b (600x) [libx.so]
+    4,900 ( 1.10%)  *  ???:torch::dynamo::(anonymous namespace)::assert_size_stride(_object*, _object*) [/lib/libtorch_python.so]
+
+    2,600 ( 0.60%)  < ???:torchleaf::replay(x) (400x) [libtorchleaf.so]
+    2,600 ( 0.60%)  *  ???:torch::autograd::generated::MulBackward0::apply(std::vector<at::Tensor, std::allocator<at::Tensor> >&&) [/lib/libtorch_cpu.so]
+
+      100 ( 0.01%)  < ???:x (200x) [libx.so]
+      100 ( 0.01%)  *  ???:torch::autograd::generated::MulBackward0::apply(std::vector<at::Tensor, std::allocator<at::Tensor> >&&)'2 [/lib/libtorch_cpu.so]
+"""
+
+    class Done:
+        stdout = annotated
+
+    monkeypatch.setattr(instructions.subprocess, "run", lambda *a, **k: Done())
+    parts = instructions._parts("out", 200)
+    assert parts == {"size asserts": (4900 / 200 / 1e3, 6.0), "replayed backward nodes": (2600 / 200 / 1e3, 2.0)}
+
+
 def test_targets_compare_instruction_counts_when_counted():
     """The small-body targets are also judged in instructions per step (which
     the machine's load does not move), from the same run's counts; without
