@@ -156,10 +156,18 @@ def _count(name, n, keep=None, valgrind_args=(), parts=False):
     with tempfile.TemporaryDirectory() as tmp:
         ready, done = os.path.join(tmp, "ready"), os.path.join(tmp, "done")
         log = os.path.join(tmp, "log")
+        # A private Inductor cache: under Valgrind, which has no AVX-512,
+        # Inductor writes 8-wide vector loops, and PyTorch 2.13's FX graph
+        # cache key does not include the vector ISA. A native process that
+        # loaded such a graph from the shared cache would compile its kernels
+        # 16-wide and store past the ends of its buffers (heap corruption:
+        # "double free or corruption" in the next `make bench`).
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}
         child = subprocess.Popen(
             ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={tmp}/out", *valgrind_args,
              f"--log-file={log}", os.path.realpath(sys.executable), os.path.abspath(__file__),
              "--child", name, "--n", str(n), "--ready", ready, "--done", done],
+            env=env,
         )
         for path, command in ((ready, "on"), (done, "off")):
             while not os.path.exists(path):

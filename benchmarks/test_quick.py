@@ -4,6 +4,9 @@ mode without crashing, and writes its report outside the repository."""
 import os
 import subprocess
 import sys
+import tempfile
+
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -104,6 +107,30 @@ def test_parts_are_read_from_callgrinds_caller_tree(tmp_path, monkeypatch):
     monkeypatch.setattr(instructions.subprocess, "run", lambda *a, **k: Done())
     parts = instructions._parts("out", 200)
     assert parts == {"size asserts": (4900 / 200 / 1e3, 6.0), "replayed backward nodes": (2600 / 200 / 1e3, 2.0)}
+
+
+def test_callgrind_children_get_a_private_inductor_cache(monkeypatch):
+    """Inductor code generated under Valgrind (no AVX-512) must not reach
+    the shared cache, whose FX graph key does not include the vector ISA:
+    native processes would run its 8-wide loops compiled 16-wide."""
+    sys.path.insert(0, HERE)
+    import instructions
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def popen(args, env=None, **kwargs):
+        seen["env"] = env
+        raise Stop
+
+    monkeypatch.setattr(instructions.subprocess, "Popen", popen)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/shared/cache")
+    with pytest.raises(Stop):
+        instructions._count("step: torchleaf", 1)
+    cache = seen["env"]["TORCHINDUCTOR_CACHE_DIR"]
+    assert cache != "/shared/cache" and cache.startswith(tempfile.gettempdir())
 
 
 def test_targets_compare_instruction_counts_when_counted():
