@@ -256,8 +256,9 @@ def _inductor_parts_markdown(parts):
         "without giving up the replay (a hand-written backward) or the tensor handle. A non-tensor "
         "handle would skip two of the asserts (Inductor checks no opaque object), but AOTAutograd "
         "2.13 saves a non-tensor for backward only when it is a registered Python opaque type "
-        "(`runtime_wrappers.py` asserts `is_opaque_type`; a TorchBind object is not one), which a "
-        "C++ core and AOTInductor cannot produce. The last row is what is left to shave.",
+        "(`runtime_wrappers.py` asserts `is_opaque_type` on each; `torch.ScriptObject`, the type of a "
+        "TorchBind object, is not one), which a C++ core and AOTInductor cannot produce. The last "
+        "row is what is left to shave.",
         "",
     ]
 
