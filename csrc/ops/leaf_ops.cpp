@@ -106,6 +106,16 @@ void check_no_forward_tangents(
   }
 }
 
+void check_no_forward_tangents(int64_t leaf, at::TensorList inputs, at::TensorList mutated) {
+  for (const auto* list : {&inputs, &mutated}) {
+    for (const auto& t : *list) {
+      if (has_forward_tangent(t)) {
+        check_no_forward_tangents(get_leaf(leaf)->name, inputs, mutated);
+      }
+    }
+  }
+}
+
 FlatInputs merge_inputs(
     const LeafEntry& entry,
     at::TensorList inputs,

@@ -87,6 +87,11 @@ void check_no_forward_tangents(
     at::TensorList inputs,
     at::TensorList mutated);
 
+// The same for a caller that has only the leaf's id: the registry is asked
+// for the leaf's name only when there is an error to name it in (compiled
+// graphs call forward on every step, and never with a tangent).
+void check_no_forward_tangents(int64_t leaf, at::TensorList inputs, at::TensorList mutated);
+
 // Kernels shared by `call` and the named operators. `site` carries the plan
 // in and the real function's output description out.
 TORCHLEAF_API TensorList call_real(

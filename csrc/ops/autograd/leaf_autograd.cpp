@@ -350,7 +350,7 @@ std::tuple<TensorList, at::Tensor> forward_unboxed_autograd_kernel(
     forward_autograd_kernel(op, keys, &stack);
     return {std::move(stack[0]).toTensorVector(), std::move(stack[1]).toTensor()};
   }
-  check_no_forward_tangents(get_leaf(leaf)->name, inputs, {});
+  check_no_forward_tangents(leaf, inputs, {});
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return typed.redispatch(
       keys & c10::after_ADInplaceOrView_keyset, leaf, plan, inputs, differentiable);
