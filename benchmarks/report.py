@@ -116,6 +116,7 @@ def compute_targets(results, cpp, memory, instructions=None):
         for mode, prefix in (("aot_eager", "step: "), ("inductor", "inductor step: ")):
             tl, custom = instructions.get(prefix + "torchleaf"), instructions.get(prefix + "custom_op")
             parts = inductor_step_parts(instructions) if mode == "inductor" else None
+            parts = None if isinstance(parts, str) else parts
             add(
                 f"compile({mode}) fwd+bwd, small body, in CPU instructions per step (callgrind; "
                 "processes differ by up to ~5k): torchleaf ≤ custom_op",
@@ -199,7 +200,8 @@ def inductor_step_parts(counts):
     {"asserts": (custom_op, leaf), "asserts calls": (custom_op, leaf),
     "replayed": leaf, "recording": leaf, "step": (custom_op, leaf),
     "structural": the three parts' sum over custom_op's, "rest": the step's
-    difference less that}, or None where something was not counted."""
+    difference less that}; None where something was not counted, and a
+    string saying why where the parts were counted but found nothing."""
     if not isinstance(counts, dict):
         return None
     tl, co = "inductor step: torchleaf", "inductor step: custom_op"
@@ -207,6 +209,12 @@ def inductor_step_parts(counts):
             part_key(tl, "replayed backward nodes"), "body recording autograd", "body")
     if any(counts.get(key) is None for key in keys):
         return None
+    # Both Inductor steps assert sizes and the leaf's always replays: zero
+    # means callgrind found no function by that name (PyTorch renamed it),
+    # not that the part costs nothing.
+    if not counts[part_key(co, "size asserts")] or not counts[part_key(tl, "replayed backward nodes")]:
+        return ("not split: callgrind found no `assert_size_stride` or no "
+                "`torch::autograd::generated::*::apply` in the Inductor steps (renamed in this PyTorch?)")
     asserts = (counts[part_key(co, "size asserts")], counts[part_key(tl, "size asserts")])
     replayed = counts[part_key(tl, "replayed backward nodes")] - counts.get(part_key(co, "replayed backward nodes"), 0.0)
     recording = counts["body recording autograd"] - counts["body"]
@@ -226,6 +234,8 @@ def inductor_step_parts(counts):
 def _inductor_parts_markdown(parts):
     if parts is None:
         return []
+    if isinstance(parts, str):
+        return [f"The leaf's Inductor step was {parts}.", ""]
     (co, tl), (aco, atl) = parts["step"], parts["asserts"]
     nco, ntl = parts["asserts calls"]
 

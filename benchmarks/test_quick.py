@@ -77,6 +77,11 @@ def test_inductor_gap_is_split_into_the_replays_parts_and_the_rest():
     rows = [m for name, m, _ in report.compute_targets({}, {}, {}, counts) if "inductor" in name and "instr" in name]
     assert rows == ["634.0k vs 594.0k (+40.0k); 33.5k of it is the replay's structure, +6.5k the rest "
                     "(see \"Where the compiled overhead goes\")"]
+    # Parts counted as zero: the symbols were not found; said, not split.
+    found_nothing = {**counts, part_key(tl, "replayed backward nodes"): 0.0}
+    assert "not split: callgrind found no" in report.inductor_step_parts(found_nothing)
+    text = "\n".join(report.instructions_markdown(found_nothing))
+    assert "not split" in text and "everything else" not in text
     # Without the parts (an older run's counts), no split and no table.
     del counts[part_key(tl, "size asserts")]
     assert report.inductor_step_parts(counts) is None
