@@ -211,11 +211,11 @@ def run(stages=BENCH_STAGES, n=100, jobs=2, log=print):
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise RuntimeError("valgrind is not installed (apt-get install valgrind)")
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        futures = {name: pool.submit(_count, name, n, parts="step: " in name) for name in stages}
+        split = {name for name in stages if "step: " in name}
+        futures = {name: pool.submit(_count, name, n, parts=name in split) for name in stages}
         counts = {}
         for name, future in futures.items():
-            result = future.result()
-            count, parts = result if isinstance(result, tuple) else (result, {})
+            count, parts = future.result() if name in split else (future.result(), {})
             counts[name] = count / 1e3
             log(f"  {name}: {counts[name]:.1f}k")
             for part, (k, calls) in parts.items():
