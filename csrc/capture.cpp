@@ -15,6 +15,8 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
 
+#include <cstring>
+#include <optional>
 #include <sstream>
 #include <typeinfo>
 #include <unordered_map>
@@ -697,6 +699,15 @@ TensorList run_real(
   return outputs;
 }
 
+bool runs_without_python(const Node& fn) {
+  // Itanium-ABI names (GCC, Clang): PyTorch's derivative formulas live in
+  // torch::autograd::generated, this library's nodes in torchleaf. Another
+  // ABI's names match neither: every node then counts as Python.
+  const char* name = typeid(fn).name();
+  return std::strncmp(name, "N5torch8autograd9generated", 26) == 0 ||
+      std::strncmp(name, "N9torchleaf", 11) == 0;
+}
+
 namespace {
 
 #if TORCHLEAF_INLINE_REPLAY_SUPPORTED
@@ -712,6 +723,41 @@ void accumulate(at::Tensor& slot, at::Tensor&& grad, Node* fn) {
   slot = std::move(sum.buffer[0]);
 }
 #endif
+
+// PyTorch's Python backward (torch.autograd.graph._engine_run_backward)
+// stashes a copy of the caller's contextvars.Context in this thread's
+// Python objects under "context", and every AOTAutograd compiled backward
+// runs its graph inside it (context.run), so that compiler settings are
+// visible on the engine's device threads. A replay that runs inside such a
+// compiled backward (the torchleaf::backward node of a compiled graph) and
+// reaches another compiled function's backward (the leaf's body called a
+// torch.compile'd function) would enter that same, already entered context:
+// "cannot enter context: ... is already entered". While a captured graph
+// replays, the stash is put aside: nested compiled backwards then run in the
+// context that is current (the one the enclosing backward entered), and the
+// stash is back once the replay ends, whatever happens. Three lookups in a
+// string-keyed map (~2k instructions): the inline path skips it for graphs
+// of C++ nodes only (runs_without_python), which never reach Python.
+class PythonContextSetAside {
+ public:
+  PythonContextSetAside() {
+    if (at::impl::ThreadLocalPythonObjects::contains(kKey)) {
+      saved_ = at::impl::ThreadLocalPythonObjects::get(kKey);
+      at::impl::ThreadLocalPythonObjects::erase(kKey);
+    }
+  }
+  ~PythonContextSetAside() {
+    if (saved_) {
+      at::impl::ThreadLocalPythonObjects::set(kKey, std::move(saved_));
+    }
+  }
+  PythonContextSetAside(const PythonContextSetAside&) = delete;
+  PythonContextSetAside& operator=(const PythonContextSetAside&) = delete;
+
+ private:
+  static constexpr const char* kKey = "context";
+  std::shared_ptr<c10::SafePyObject> saved_;
+};
 
 // Replays a small CPU graph in the calling thread. Engine::execute costs
 // several microseconds per call whatever the graph's size (a graph task,
@@ -756,6 +802,7 @@ std::optional<variable_list> replay_inline(
     }
     return true;
   };
+  bool python_free = true;
   // Discover the nodes between the roots and the sinks, counting parents.
   for (const auto& root : roots) {
     Node* fn = root.function.get();
@@ -768,6 +815,7 @@ std::optional<variable_list> replay_inline(
     if (nodes.size() > kMaxNodes || !eligible(nodes[n])) {
       return std::nullopt;
     }
+    python_free = python_free && runs_without_python(*nodes[n]);
     for (const auto& next : nodes[n]->next_edges()) {
       Node* fn = next.function.get();
       if (fn == nullptr || sink_index(state, fn) >= 0) {
@@ -810,6 +858,10 @@ std::optional<variable_list> replay_inline(
   }
 
   at::AutoGradMode no_grad(false);
+  std::optional<PythonContextSetAside> context_set_aside;
+  if (!python_free) {
+    context_set_aside.emplace();
+  }
   c10::SmallVector<size_t, kMaxNodes> ready;
   for (size_t n = 0; n < nodes.size(); ++n) {
     if (pending[n] == 0) {
@@ -842,39 +894,6 @@ std::optional<variable_list> replay_inline(
 #endif
 }
 
-// PyTorch's Python backward (torch.autograd.graph._engine_run_backward)
-// stashes a copy of the caller's contextvars.Context in this thread's
-// Python objects under "context", and every AOTAutograd compiled backward
-// runs its graph inside it (context.run), so that compiler settings are
-// visible on the engine's device threads. A replay that runs inside such a
-// compiled backward (the torchleaf::backward node of a compiled graph) and
-// reaches another compiled function's backward (the leaf's body called a
-// torch.compile'd function) would enter that same, already entered context:
-// "cannot enter context: ... is already entered". While a captured graph
-// replays, the stash is put aside: nested compiled backwards then run in the
-// context that is current (the one the enclosing backward entered), and the
-// stash is back once the replay ends, whatever happens.
-class PythonContextSetAside {
- public:
-  PythonContextSetAside() {
-    if (at::impl::ThreadLocalPythonObjects::contains(kKey)) {
-      saved_ = at::impl::ThreadLocalPythonObjects::get(kKey);
-      at::impl::ThreadLocalPythonObjects::erase(kKey);
-    }
-  }
-  ~PythonContextSetAside() {
-    if (saved_) {
-      at::impl::ThreadLocalPythonObjects::set(kKey, std::move(saved_));
-    }
-  }
-  PythonContextSetAside(const PythonContextSetAside&) = delete;
-  PythonContextSetAside& operator=(const PythonContextSetAside&) = delete;
-
- private:
-  static constexpr const char* kKey = "context";
-  std::shared_ptr<c10::SafePyObject> saved_;
-};
-
 } // namespace
 
 TensorList replay(
@@ -899,7 +918,6 @@ TensorList replay(
   }
   variable_list results;
   if (!roots.empty() && !state.input_edges.empty()) {
-    PythonContextSetAside context_set_aside;
     // The engine frees what it runs exactly when the enclosing backward
     // frees its own graph: with retain_graph=True (or no enclosing backward:
     // a direct call of torchleaf::backward) the captured graph stays whole
@@ -912,15 +930,18 @@ TensorList replay(
         torch::autograd::get_current_graph_task_keep_graph();
     try {
       auto inline_results = replay_inline(state, roots, root_grads);
-      results = inline_results
-          ? std::move(*inline_results)
-          : torch::autograd::Engine::get_default_engine().execute(
-                roots,
-                root_grads,
-                keep_graph,
-                /*create_graph=*/false,
-                /*accumulate_grad=*/false,
-                state.input_edges);
+      if (inline_results) {
+        results = std::move(*inline_results);
+      } else {
+        PythonContextSetAside context_set_aside; // any node, any hook
+        results = torch::autograd::Engine::get_default_engine().execute(
+            roots,
+            root_grads,
+            keep_graph,
+            /*create_graph=*/false,
+            /*accumulate_grad=*/false,
+            state.input_edges);
+      }
     } catch (c10::Error& e) {
       if (dynamic_cast<LeafError*>(&e) == nullptr) {
         e.add_context("while running the backward of leaf function '" +

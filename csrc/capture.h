@@ -60,6 +60,13 @@ TensorList replay(
     const CapturedState& state,
     const std::vector<std::optional<at::Tensor>>& grads);
 
+// Whether running `fn` can never run Python code: PyTorch's derivative
+// formulas and torchleaf's own nodes. A replay of such nodes only leaves
+// PyTorch's stashed Python context in place (see PythonContextSetAside in
+// capture.cpp); any other node (an autograd.Function's, a compiled
+// function's backward, a C++ extension's) counts as Python.
+TORCHLEAF_API bool runs_without_python(const torch::autograd::Node& fn);
+
 // Eager mode: connects a captured call straight into the caller's graph, so
 // that backward runs the captured graph as part of the caller's backward (no
 // replay, no handle): each input sink forwards to `caller_edges[i]`, the

@@ -510,3 +510,27 @@ TEST(Replay, GradientsNeverShareStorageWithEachOtherOrTheIncomingGradients) {
     }
   }
 }
+
+TEST(Replay, OnlyPyTorchFormulasAndTorchleafNodesCountAsPythonFree) {
+  // The inline replay leaves PyTorch's stashed Python context in place for
+  // graphs of such nodes only (capture.cpp, PythonContextSetAside): a rename
+  // of PyTorch's namespace for its derivative formulas must fail here, not
+  // slow every replay down unnoticed.
+  auto x = randn({3}).requires_grad_();
+  auto y = randn({3}).requires_grad_();
+  for (const auto& t : {x * 2, x + y, (x * y).sin(), x.view({3, 1}), x.expand({2, 3}).sum(0)}) {
+    EXPECT_TRUE(torchleaf::runs_without_python(*t.grad_fn())) << t.grad_fn()->name();
+  }
+  // A leaf whose output does not reach every input: its output's node is
+  // torchleaf's own (attach_to_caller's routing node).
+  auto leaf = torchleaf::define_leaf(unique_name("routing"), [](const TensorList& in) {
+    return TensorList{in[0] * 2};
+  });
+  auto out = leaf({x, y});
+  ASSERT_TRUE(out[0].grad_fn() != nullptr);
+  EXPECT_NE(out[0].grad_fn()->name().find("routing"), std::string::npos) << out[0].grad_fn()->name();
+  EXPECT_TRUE(torchleaf::runs_without_python(*out[0].grad_fn())) << out[0].grad_fn()->name();
+  // Anything else may run Python: a custom autograd::Function's node (here
+  // C++, in general an extension's or PyTorch's Python autograd.Function).
+  EXPECT_FALSE(torchleaf::runs_without_python(*probe(x).grad_fn()));
+}

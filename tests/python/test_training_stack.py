@@ -115,9 +115,17 @@ def test_body_calls_a_compiled_function(backend, inner_backend):
         for _ in range(2):
             out = run(x, w)
             torch.testing.assert_close(out, expected_out)
+            # (A backward restricted to some inputs replays on the engine.)
             got = torch.autograd.grad(out.sum(), (x, w))
             for g, e in zip(got, expected):
                 torch.testing.assert_close(g, e)
+            # .backward() replays inline, the inner compiled backward among
+            # the replayed nodes.
+            x.grad = w.grad = None
+            run(x, w).sum().backward()
+            for g, e in zip((x.grad, w.grad), expected):
+                torch.testing.assert_close(g, e)
+        x.grad = w.grad = None
     # The stash is back after each replay: a later compiled backward of the
     # inner function alone still runs in it.
     torch.autograd.grad(inner(x, w).sum(), (x, w))
