@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/FunctionalTensorWrapper.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
@@ -326,13 +327,12 @@ TensorList call_meta(int64_t leaf, int64_t plan, at::TensorList inputs) {
   return call_mutating_meta(leaf, plan, inputs, {});
 }
 
-std::tuple<TensorList, at::Tensor> forward_mutating_kernel(
-    int64_t leaf,
+std::tuple<TensorList, at::Tensor> run_forward(
+    LeafEntryPtr entry,
     int64_t plan,
     at::TensorList inputs,
     at::TensorList mutated,
     at::IntArrayRef differentiable) {
-  auto entry = get_leaf(leaf);
   auto flat = merge_inputs(*entry, inputs, mutated);
   auto mask = capture_mask(*entry, flat, differentiable);
   std::shared_ptr<CapturedState> state;
@@ -344,6 +344,15 @@ std::tuple<TensorList, at::Tensor> forward_mutating_kernel(
     state->output_edges.resize(outputs.size());
   }
   return {std::move(outputs), make_state_handle(std::move(state))};
+}
+
+std::tuple<TensorList, at::Tensor> forward_mutating_kernel(
+    int64_t leaf,
+    int64_t plan,
+    at::TensorList inputs,
+    at::TensorList mutated,
+    at::IntArrayRef differentiable) {
+  return run_forward(get_leaf(leaf), plan, inputs, mutated, differentiable);
 }
 
 std::tuple<TensorList, at::Tensor> forward_kernel(
@@ -382,13 +391,11 @@ std::vector<std::optional<at::Tensor>> to_vector(
   return out;
 }
 
-TensorList backward_kernel(
-    int64_t leaf,
+TensorList run_backward(
+    const CapturedState& captured,
     const at::Tensor& state,
-    const c10::List<std::optional<at::Tensor>>& grads,
-    c10::SymIntArrayRef /*input_meta*/) {
-  auto captured = lookup_state(state, leaf);
-  auto grads_in = replay(*captured, to_vector(grads));
+    const std::vector<std::optional<at::Tensor>>& grads) {
+  auto grads_in = replay(captured, grads);
   release_after_backward(state);
   // The fake kernel knows only the inputs' sizes and promises contiguous
   // gradients (Inductor asserts the strides); a channels_last input's
@@ -399,6 +406,14 @@ TensorList backward_kernel(
     }
   }
   return grads_in;
+}
+
+TensorList backward_kernel(
+    int64_t leaf,
+    const at::Tensor& state,
+    const c10::List<std::optional<at::Tensor>>& grads,
+    c10::SymIntArrayRef /*input_meta*/) {
+  return run_backward(*lookup_state(state, leaf), state, to_vector(grads));
 }
 
 TensorList backward_meta(
@@ -596,6 +611,63 @@ TORCH_LIBRARY_IMPL(torchleaf, Meta, m) {
   m.impl("call_functional", &call_functional_meta);
   m.impl("forward_functional", &forward_functional_meta);
   m.impl("backward", &backward_meta);
+}
+
+namespace {
+
+// Tensors whose dispatcher round trip does more than reach the kernels: the
+// conjugate, negative and zero-tensor fallbacks materialize such inputs.
+bool has_fallback_keys(at::TensorList tensors) {
+  constexpr auto keys = c10::DispatchKeySet(
+      {c10::DispatchKey::Conjugate, c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor});
+  for (const auto& t : tensors) {
+    if (t.key_set().has_any(keys)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+} // namespace
+
+std::optional<std::tuple<TensorList, at::Tensor>> forward_plain(
+    LeafEntryPtr entry,
+    int64_t plan,
+    at::TensorList inputs,
+    at::IntArrayRef differentiable) {
+  // With grad mode on, an input that requires grad makes the Autograd kernel
+  // refuse a second derivative: that takes the operator.
+  if (at::GradMode::is_enabled() || !is_plain_eager(inputs, {}) || has_fallback_keys(inputs)) {
+    return std::nullopt;
+  }
+  RECORD_FUNCTION("torchleaf::forward", c10::ArrayRef<const c10::IValue>{});
+  check_no_forward_tangents(entry->id, inputs, {});
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return run_forward(std::move(entry), plan, inputs, {}, differentiable);
+}
+
+std::optional<TensorList> backward_plain(
+    int64_t leaf,
+    const at::Tensor& state,
+    const std::vector<std::optional<at::Tensor>>& grads) {
+  if (at::GradMode::is_enabled() || !is_concrete_handle(state)) {
+    return std::nullopt;
+  }
+  TensorList defined;
+  defined.reserve(grads.size());
+  for (const auto& g : grads) {
+    if (g.has_value() && g->defined()) {
+      defined.push_back(*g);
+    }
+  }
+  if (!is_plain_eager(defined, {state}) || has_fallback_keys(defined)) {
+    return std::nullopt;
+  }
+  RECORD_FUNCTION("torchleaf::backward", c10::ArrayRef<const c10::IValue>{});
+  const auto captured = lookup_state(state, leaf);
+  check_no_forward_tangents(captured->entry->name, defined, {});
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return run_backward(*captured, state, grads);
 }
 
 } // namespace torchleaf::ops

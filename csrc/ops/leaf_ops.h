@@ -131,6 +131,21 @@ TORCHLEAF_API TensorList call_eager(
     at::TensorList mutated,
     CallSite& site);
 
+// forward and backward of a plain call (is_plain_eager, grad mode off: each
+// step of a compiled graph) without the dispatcher's round trips: what their
+// Autograd and dense kernels do for such a call, recorded for profilers
+// under the operator's name. nullopt when the call is not plain: call
+// forward() or backward() instead.
+TORCHLEAF_API std::optional<std::tuple<TensorList, at::Tensor>> forward_plain(
+    LeafEntryPtr entry,
+    int64_t plan,
+    at::TensorList inputs,
+    at::IntArrayRef differentiable);
+TORCHLEAF_API std::optional<TensorList> backward_plain(
+    int64_t leaf,
+    const at::Tensor& state,
+    const std::vector<std::optional<at::Tensor>>& grads);
+
 // Functionalization of a mutating leaf call: the functional variant on the
 // unwrapped inputs, with the new values written back (also the Functionalize
 // kernel of named operators that declare mutation).

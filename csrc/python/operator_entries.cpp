@@ -142,11 +142,13 @@ PyObject* forward_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
       !plain_tensor_list(args[2], inputs, false) || !int_list(args[3], differentiable)) {
     return fallback(self, args, nargs, kwnames);
   }
+  auto entry = get_leaf(leaf);
   std::optional<pybind11::gil_scoped_release> no_gil;
-  if (!runs_python(leaf)) {
+  if (entry->has_named_op()) { // see runs_python
     no_gil.emplace();
   }
-  auto out = ops::forward(leaf, plan, inputs, {}, differentiable);
+  auto plain = ops::forward_plain(std::move(entry), plan, inputs, differentiable);
+  auto out = plain ? std::move(*plain) : ops::forward(leaf, plan, inputs, {}, differentiable);
   no_gil.reset();
   PyObject* outputs = wrap_list(std::get<0>(out));
   PyObject* state = THPVariable_Wrap(std::get<1>(out));
@@ -174,7 +176,7 @@ PyObject* backward_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     return fallback(self, args, nargs, kwnames);
   }
   const at::Tensor& state = THPVariable_Unpack(args[1]);
-  c10::List<std::optional<at::Tensor>> optional_grads;
+  std::vector<std::optional<at::Tensor>> optional_grads;
   optional_grads.reserve(grads.size());
   for (auto& g : grads) {
     optional_grads.push_back(g.defined() ? std::optional<at::Tensor>(std::move(g)) : std::nullopt);
@@ -182,7 +184,15 @@ PyObject* backward_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs
   TensorList out;
   {
     pybind11::gil_scoped_release no_gil;
-    out = ops::backward(leaf, state, optional_grads, c10::fromIntArrayRefSlow(input_meta));
+    if (auto plain = ops::backward_plain(leaf, state, optional_grads)) {
+      out = std::move(*plain);
+    } else {
+      out = ops::backward(
+          leaf,
+          state,
+          c10::List<std::optional<at::Tensor>>(optional_grads),
+          c10::fromIntArrayRefSlow(input_meta));
+    }
   }
   return wrap_list(out);
   END_HANDLE_TH_ERRORS

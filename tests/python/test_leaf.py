@@ -279,6 +279,29 @@ def test_one_named_operator_call_in_the_profiler():
     assert sum(1 for n in names if n.endswith("profiled_leaf")) == 1
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_steps_show_one_forward_and_one_backward_in_the_profiler(backend):
+    """Compiled graphs' calls skip the dispatcher's round trips
+    (forward_plain, backward_plain) and still show their operators."""
+
+    @torchleaf.leaf_function
+    def profiled_step_leaf(x):
+        return (x * 2).sin()
+
+    profiled_step_leaf.register_fake(torch.empty_like)
+    x = torch.randn(8, requires_grad=True)
+    step = torch.compile(lambda x: profiled_step_leaf(x).sum(), backend=backend, fullgraph=True)
+    step(x).backward()
+    x.grad = None
+    with torch.profiler.profile() as prof:
+        step(x).backward()
+    names = [e.name for e in prof.events()]
+    assert names.count("torchleaf::forward") == 1
+    assert names.count("torchleaf::backward") == 1
+    torch.testing.assert_close(x.grad, 2 * (2 * x.detach()).cos())
+    assert torchleaf.live_states() == 0
+
+
 def test_exceptions_keep_their_type_and_name_the_leaf():
     class Boom(ValueError):
         pass
