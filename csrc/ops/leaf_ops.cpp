@@ -650,22 +650,34 @@ std::optional<TensorList> backward_plain(
     int64_t leaf,
     const at::Tensor& state,
     const std::vector<std::optional<at::Tensor>>& grads) {
-  if (at::GradMode::is_enabled() || !is_concrete_handle(state)) {
+  // Tensors are looked at in place, never copied: each is a Python tensor's,
+  // whose copy and release cost a Python reference count with the GIL
+  // released.
+  if (at::GradMode::is_enabled() || !is_concrete_handle(state) ||
+      !is_plain_eager(at::TensorList(state), {})) {
     return std::nullopt;
   }
-  TensorList defined;
-  defined.reserve(grads.size());
+  bool tangent = false;
   for (const auto& g : grads) {
     if (g.has_value() && g->defined()) {
-      defined.push_back(*g);
+      const at::TensorList one(*g);
+      if (!is_plain_eager(one, {}) || has_fallback_keys(one)) {
+        return std::nullopt;
+      }
+      tangent = tangent || has_forward_tangent(*g);
     }
-  }
-  if (!is_plain_eager(defined, {state}) || has_fallback_keys(defined)) {
-    return std::nullopt;
   }
   RECORD_FUNCTION("torchleaf::backward", c10::ArrayRef<const c10::IValue>{});
   const auto captured = lookup_state(state, leaf);
-  check_no_forward_tangents(captured->entry->name, defined, {});
+  if (tangent) { // the error the Autograd kernel raises
+    TensorList defined;
+    for (const auto& g : grads) {
+      if (g.has_value() && g->defined()) {
+        defined.push_back(*g);
+      }
+    }
+    check_no_forward_tangents(captured->entry->name, defined, {});
+  }
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return run_backward(*captured, state, grads);
 }

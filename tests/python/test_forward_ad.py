@@ -142,3 +142,28 @@ def test_a_tangent_on_a_declared_mutable_input(cpp_leaves):
     assert counter.item() == 0  # refused before the real function ran
     torch.testing.assert_close(ops.count_calls([x], [counter])[0], x.sin())
     assert counter.item() == 1
+
+
+def test_the_operators_as_compiled_graphs_call_them():
+    """A compiled step calls torchleaf::forward and ::backward with grad mode
+    off, which the direct entries run without the dispatcher
+    (forward_plain, backward_plain): a tangent on an input or on a gradient
+    is the same clear error as through the operators' Autograd kernels."""
+    from torchleaf import _leaf
+
+    plan = _leaf._positional_plan(py_leaf, 1).index  # a compiled call's: outputs [out, token]
+    forward, backward = torch.ops.torchleaf.forward.default, torch.ops.torchleaf.backward.default
+    x, v = torch.randn(5), torch.randn(5)
+    meta = [6, 0, -1, 1, 5]  # (the gradient's dtype, device and size)
+    with torch.no_grad():
+        (out, _), handle = forward(py_leaf._id, plan, [x], [0])
+        torch.testing.assert_close(out, body(x))
+        with fwAD.dual_level():
+            with clear_error(r"[\w.]*\bbody"):
+                forward(py_leaf._id, plan, [fwAD.make_dual(x, v)], [0])
+            with clear_error(r"[\w.]*\bbody"):
+                backward(py_leaf._id, handle, [fwAD.make_dual(torch.ones(5), v), None], meta)
+        (g,) = backward(py_leaf._id, handle, [torch.ones(5), None], meta)
+    torch.testing.assert_close(g, 3 * torch.cos(3 * x))
+    del handle
+    still_usable(py_leaf)
