@@ -15,7 +15,9 @@ Shares do not move with the machine's load the way absolute times do.
 From custom_op's two columns, each library's time per instruction relative
 to the step's average; applied to the leaf's instruction shares, they
 predict the leaf's step time relative to custom_op's, as far as where its
-instructions run can make it differ.
+instructions run can make it differ. The last columns are the same samples
+in µs per step (perf's sampling makes every step slower, so compare the
+two variants' columns with each other, not with other tables).
 """
 
 import collections
@@ -32,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import instructions  # noqa: E402
 
 STAGES = ("step: custom_op", "step: torchleaf")
+FREQUENCY = 10000  # perf samples per second of CPU time
 
 
 def _library(path):
@@ -58,7 +61,9 @@ def instruction_shares(stage, n):
 
 
 def time_shares(stage, n):
-    """{library: share of cpu-clock samples} while the stage runs n times."""
+    """({library: share of cpu-clock samples}, µs per step in all) while
+    the stage runs n times, sampled at FREQUENCY Hz (a share times the
+    second is that library's µs per step, perf's own cost included)."""
     with tempfile.TemporaryDirectory() as tmp:
         ready, done, data = (os.path.join(tmp, f) for f in ("ready", "done", "perf.data"))
         child = subprocess.Popen([sys.executable, instructions.__file__, "--child", stage,
@@ -67,7 +72,7 @@ def time_shares(stage, n):
             if child.poll() is not None:
                 raise RuntimeError(f"stage {stage!r} exited early")
             time.sleep(0.1)
-        perf = subprocess.Popen(["perf", "record", "-q", "-F", "5000", "-e", "cpu-clock",
+        perf = subprocess.Popen(["perf", "record", "-q", "-F", str(FREQUENCY), "-e", "cpu-clock",
                                  "-p", str(child.pid), "-o", data],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         while not os.path.exists(done):
@@ -77,15 +82,15 @@ def time_shares(stage, n):
         child.wait()
         # -v: full paths, to tell torchleaf's _C from torch's.
         text = subprocess.run(["perf", "report", "-v", "-i", data, "--stdio", "--sort", "dso",
-                               "--percentage", "relative"],
+                               "-F", "sample,dso"],
                               capture_output=True, text=True, check=True).stdout
-    shares = {}
+    samples = collections.Counter()
     for line in text.splitlines():
-        m = re.match(r"\s*([\d.]+)%\s+(\S+)", line)
-        if m:
-            lib = _library(m.group(2))
-            shares[lib] = shares.get(lib, 0.0) + float(m.group(1)) / 100
-    return shares
+        m = re.match(r"\s*(\d+)\s+(\S+)", line)
+        if m and not line.lstrip().startswith("#"):
+            samples[_library(m.group(2))] += int(m.group(1))
+    total = sum(samples.values())
+    return {lib: c / total for lib, c in samples.items()}, total / FREQUENCY / n * 1e6
 
 
 def main():
@@ -95,15 +100,22 @@ def main():
     instr = {s: instruction_shares(s, 200) for s in STAGES}
     # The child sleeps 3 s before its loop (for callgrind_control); perf
     # samples only while it runs.
-    times = {s: time_shares(s, 20000) for s in STAGES}
+    sampled = {s: time_shares(s, 20000) for s in STAGES}
+    times = {s: shares for s, (shares, _) in sampled.items()}
+    step_us = {s: us for s, (_, us) in sampled.items()}
     libs = sorted({lib for s in STAGES for lib in instr[s]},
                   key=lambda lib: -max(instr[s].get(lib, 0) for s in STAGES))
     libs = [lib for lib in libs if max(instr[s].get(lib, 0) for s in STAGES) >= 0.002]
     print("| library | custom_op: instructions | custom_op: time | torchleaf: instructions | "
-          "torchleaf: time |\n|---|---:|---:|---:|---:|")
+          "torchleaf: time | custom_op: µs per step | torchleaf: µs per step | difference |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|")
     for lib in libs:
         cells = [f"{100 * d[s].get(lib, 0):.1f}%" for s in STAGES for d in (instr, times)]
+        us = [times[s].get(lib, 0) * step_us[s] for s in STAGES]
+        cells += [f"{us[0]:.1f}", f"{us[1]:.1f}", f"{us[1] - us[0]:+.1f}"]
         print(f"| {lib} | " + " | ".join(cells) + " |")
+    print(f"| all | | | | | {step_us[STAGES[0]]:.1f} | {step_us[STAGES[1]]:.1f} | "
+          f"{step_us[STAGES[1]] - step_us[STAGES[0]]:+.1f} |")
     # Time per instruction of each library, relative to custom_op's average.
     base = {lib: times[STAGES[0]].get(lib, 0) / share
             for lib, share in instr[STAGES[0]].items() if share > 0}
