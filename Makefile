@@ -46,10 +46,11 @@ test-python:
 demo: build
 	$(PYTHON) examples/demo.py
 
-# Valgrind counts instructions per call for BENCHMARKS.md (benchmarks/instructions.py).
+# Valgrind counts instructions per call for BENCHMARKS.md (benchmarks/instructions.py),
+# perf samples where the time goes (benchmarks/time_shares.py).
 bench: build
-	@dpkg -s valgrind >/dev/null 2>&1 || \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind >/dev/null)
+	@dpkg -s valgrind linux-perf >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind linux-perf >/dev/null)
 	TORCHLEAF_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) benchmarks/run.py
 
 bench-quick: build

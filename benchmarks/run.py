@@ -26,6 +26,7 @@ import instructions
 import module_args
 import overhead
 import report
+import time_shares
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -95,7 +96,7 @@ def main():
     memory = run_memory(args.quick)
 
     if args.quick:
-        counts = None  # minutes under valgrind: full runs only
+        counts = by_library = None  # minutes under valgrind and perf: full runs only
     else:
         log("Instructions per call (callgrind)")
         try:
@@ -103,6 +104,12 @@ def main():
         except RuntimeError as e:
             counts = str(e)
             log(f"  not counted: {counts}")
+        log("Time per step by library (perf)")
+        try:
+            by_library = time_shares.by_library(log=log)
+        except RuntimeError as e:
+            by_library = str(e)
+            log(f"  not measured: {by_library}")
 
     targets = report.compute_targets(results, cpp, memory, counts)
     if args.out or args.quick:
@@ -117,6 +124,7 @@ def main():
                 "cpp": cpp,
                 "memory": memory,
                 "instructions": counts,
+                "time_by_library": by_library,
             }, f, indent=1)
     else:
         md_path, plot_path = os.path.join(ROOT, "BENCHMARKS.md"), os.path.join(ROOT, "docs", "overhead.png")
@@ -141,6 +149,7 @@ def main():
         load=(load_start, os.getloadavg()[0]),
         elapsed_s=time.time() - started,
         instructions=counts,
+        by_library=by_library,
     )
     with open(md_path, "w") as f:
         f.write(text)

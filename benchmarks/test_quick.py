@@ -155,3 +155,32 @@ def test_targets_compare_instruction_counts_when_counted():
     assert inductor == ("634.0k vs 597.2k (+36.8k)", "MISS")
     for missing in (None, "valgrind is not installed (apt-get install valgrind)"):
         assert not [t for t in report.compute_targets({}, {}, {}, missing) if "instructions" in t[0]]
+
+
+def test_time_by_library_section_compares_the_two_steps(monkeypatch):
+    """perf's samples per library become µs per step, libraries not shown
+    apart are summed, and a run without perf says why."""
+    sys.path.insert(0, HERE)
+    import report
+    import time_shares
+
+    def fake_shares(stage, n):
+        if stage == "step: custom_op":
+            return {"libpython3.11.so.1.0": 0.5, "libtorch_cpu.so": 0.25, "libfoo.so": 0.25}, 200.0
+        return {"libpython3.11.so.1.0": 0.4, "libtorch_cpu.so": 0.3, "libtorchleaf.so": 0.1,
+                "libfoo.so": 0.1, "libbar.so": 0.1}, 250.0
+
+    monkeypatch.setattr(time_shares.shutil, "which", lambda tool: "/usr/bin/" + tool)
+    monkeypatch.setattr(time_shares, "time_shares", fake_shares)
+    data = time_shares.by_library(log=lambda msg: None)
+    assert data["step: torchleaf"]["libraries"]["libtorchleaf.so"] == pytest.approx(25.0)
+    rows = {line.split(" | ")[0][2:]: line for line in report.time_by_library_markdown(data) if line.startswith("| ")}
+    assert rows["the Python interpreter"] == "| the Python interpreter | 100.0 | 100.0 | +0.0 |"
+    assert rows["libtorch_cpu (operators, autograd)"] == "| libtorch_cpu (operators, autograd) | 50.0 | 75.0 | +25.0 |"
+    assert rows["libtorchleaf"] == "| libtorchleaf | 0.0 | 25.0 | +25.0 |"
+    assert rows["everything else"] == "| everything else | 50.0 | 50.0 | +0.0 |"
+    assert rows["the whole step"] == "| the whole step | 200.0 | 250.0 | +50.0 |"
+    monkeypatch.setattr(time_shares.shutil, "which", lambda tool: None)
+    with pytest.raises(RuntimeError, match="perf is not installed"):
+        time_shares.by_library(log=lambda msg: None)
+    assert "Not measured: perf is not installed" in "\n".join(report.time_by_library_markdown("perf is not installed"))

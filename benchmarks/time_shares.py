@@ -81,16 +81,32 @@ def time_shares(stage, n):
         perf.wait()
         child.wait()
         # -v: full paths, to tell torchleaf's _C from torch's.
-        text = subprocess.run(["perf", "report", "-v", "-i", data, "--stdio", "--sort", "dso",
-                               "-F", "sample,dso"],
-                              capture_output=True, text=True, check=True).stdout
+        report = subprocess.run(["perf", "report", "-v", "-i", data, "--stdio", "--sort", "dso",
+                                 "-F", "sample,dso"],
+                                capture_output=True, text=True)
     samples = collections.Counter()
-    for line in text.splitlines():
+    for line in report.stdout.splitlines():
         m = re.match(r"\s*(\d+)\s+(\S+)", line)
         if m and not line.lstrip().startswith("#"):
             samples[_library(m.group(2))] += int(m.group(1))
     total = sum(samples.values())
+    if report.returncode != 0 or total == 0:
+        raise RuntimeError(f"perf recorded no samples of {stage!r} ({report.stderr.strip()[-300:]})")
     return {lib: c / total for lib, c in samples.items()}, total / FREQUENCY / n * 1e6
+
+
+def by_library(n=20000, log=print):
+    """For `make bench`: {stage: {"step_us": µs per step, "libraries":
+    {library: µs per step}}} for STAGES, from perf alone (no callgrind).
+    Raises RuntimeError without perf or when it records nothing."""
+    if shutil.which("perf") is None:
+        raise RuntimeError("perf is not installed (apt-get install linux-perf)")
+    out = {}
+    for stage in STAGES:
+        shares, step_us = time_shares(stage, n)
+        out[stage] = {"step_us": step_us, "libraries": {lib: share * step_us for lib, share in shares.items()}}
+        log(f"  {stage}: {step_us:.1f} µs per step under perf")
+    return out
 
 
 def main():
