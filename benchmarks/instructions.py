@@ -39,6 +39,8 @@ STAGES = (
     ("inductor step: plain", "compiled(inductor) fwd+bwd of the inline body"),
     ("inductor step: custom_op", "compiled(inductor) fwd+bwd, torch.library.custom_op"),
     ("inductor step: torchleaf", "compiled(inductor) fwd+bwd, leaf function"),
+    ("inference step: custom_op", "compiled forward without gradients, torch.library.custom_op"),
+    ("inference step: torchleaf", "compiled forward without gradients, leaf function"),
     ("eager step: plain", "eager fwd+bwd of the inline body"),
     ("eager step: torchleaf", "eager fwd+bwd, leaf function"),
     ("forward op", "torchleaf.forward as the graph calls it"),
@@ -60,6 +62,11 @@ def _stage_callable(name):
     torch.set_num_threads(1)
     leaf, custom = leaf_and_custom_op("torchleaf_profile")
     x = torch.randn(64, requires_grad=True)
+    if name.startswith("inference step: "):
+        fn = {"custom_op": custom, "torchleaf": leaf}[name[len("inference step: "):]]
+        compiled = torch.compile(lambda x: fn(x).sum(), backend="aot_eager", fullgraph=True)
+        xd = x.detach()
+        return lambda: compiled(xd)
     if "step: " in name and not name.startswith("eager"):
         backend = "inductor" if name.startswith("inductor") else "aot_eager"
         fn = {"plain": body, "custom_op": custom, "torchleaf": leaf}[name.split("step: ")[1]]

@@ -630,6 +630,14 @@ bool has_fallback_keys(at::TensorList tensors) {
 
 } // namespace
 
+std::optional<TensorList> call_plain(const LeafEntry& entry, int64_t plan, at::TensorList inputs) {
+  if (!is_plain_eager(inputs, {}) || has_fallback_keys(inputs)) {
+    return std::nullopt;
+  }
+  CallSite site{plan};
+  return call_eager(entry, inputs, {}, site);
+}
+
 std::optional<std::tuple<TensorList, at::Tensor>> forward_plain(
     LeafEntryPtr entry,
     int64_t plan,

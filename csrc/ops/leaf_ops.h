@@ -131,11 +131,15 @@ TORCHLEAF_API TensorList call_eager(
     at::TensorList mutated,
     CallSite& site);
 
-// forward and backward of a plain call (is_plain_eager, grad mode off: each
-// step of a compiled graph) without the dispatcher's round trips: what their
-// Autograd and dense kernels do for such a call, recorded for profilers
-// under the operator's name. nullopt when the call is not plain: call
-// forward() or backward() instead.
+// call, forward and backward of a plain call (is_plain_eager; for forward
+// and backward also grad mode off: each step of a compiled graph) without
+// the dispatcher's round trips: what their Autograd and dense kernels do for
+// such a call, recorded for profilers under the operator's name. nullopt
+// when the call is not plain: call call(), forward() or backward() instead.
+TORCHLEAF_API std::optional<TensorList> call_plain(
+    const LeafEntry& entry,
+    int64_t plan,
+    at::TensorList inputs);
 TORCHLEAF_API std::optional<std::tuple<TensorList, at::Tensor>> forward_plain(
     LeafEntryPtr entry,
     int64_t plan,

@@ -11,8 +11,10 @@
 //
 // These entries do the same call for the arguments such graphs pass (exact
 // tensors, ints and lists of them, no keywords, no torch function mode) with
-// a typed dispatcher call and hand every other call to the entry they
-// replace, so behaviour is PyTorch's own wherever it could differ:
+// a typed dispatcher call, or for plain tensors with no tracing mode active
+// straight to what the operator's kernels would do (ops::call_plain,
+// forward_plain, backward_plain), and hand every other call to the entry
+// they replace, so behaviour is PyTorch's own wherever it could differ:
 // overriding tensor subclasses and torch function modes (FakeTensor while
 // tracing, user modes), keywords, SymInts in the arguments. Dispatch-key
 // modes (FakeTensorMode, functionalization, make_fx) see the same operator
@@ -98,14 +100,16 @@ bool plain_call(Py_ssize_t nargs, Py_ssize_t expected, PyObject* kwnames) {
       !at::impl::torch_function_mode_enabled();
 }
 
-// Whether the leaf's real function is Python (Python leaves have no named
-// operator of their own). Calls of those keep the GIL: their work is the
-// Python runner, the user's operators release it as they always do, and
-// tensors that had Python objects are dropped without taking it back (a
-// re-acquisition per tensor, per argument description). C++ leaves' calls
-// release it, as PyTorch's own entry does.
-bool runs_python(int64_t leaf) {
-  return !get_leaf(leaf)->has_named_op();
+// Releases the GIL for the call of a leaf whose real function is C++ (it
+// has a named operator; Python leaves without a name do not), as PyTorch's
+// own entry does. A Python leaf's call keeps it: its work is the Python
+// runner, the user's operators release it as they always do, and tensors
+// that had Python objects are dropped without taking it back (a
+// re-acquisition per tensor, per argument description).
+void release_gil_for_cpp(const LeafEntry& entry, std::optional<pybind11::gil_scoped_release>& no_gil) {
+  if (entry.has_named_op()) {
+    no_gil.emplace();
+  }
 }
 
 PyObject* fallback(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
@@ -122,11 +126,11 @@ PyObject* call_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, Py
       !plain_tensor_list(args[2], inputs, false)) {
     return fallback(self, args, nargs, kwnames);
   }
+  const auto entry = get_leaf(leaf);
   std::optional<pybind11::gil_scoped_release> no_gil;
-  if (!runs_python(leaf)) {
-    no_gil.emplace();
-  }
-  TensorList out = ops::call(leaf, plan, inputs, {});
+  release_gil_for_cpp(*entry, no_gil);
+  auto plain = ops::call_plain(*entry, plan, inputs);
+  TensorList out = plain ? std::move(*plain) : ops::call(leaf, plan, inputs, {});
   no_gil.reset();
   return wrap_list(out);
   END_HANDLE_TH_ERRORS
@@ -144,9 +148,7 @@ PyObject* forward_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
   }
   auto entry = get_leaf(leaf);
   std::optional<pybind11::gil_scoped_release> no_gil;
-  if (entry->has_named_op()) { // see runs_python
-    no_gil.emplace();
-  }
+  release_gil_for_cpp(*entry, no_gil);
   auto plain = ops::forward_plain(std::move(entry), plan, inputs, differentiable);
   auto out = plain ? std::move(*plain) : ops::forward(leaf, plan, inputs, {}, differentiable);
   no_gil.reset();

@@ -302,6 +302,29 @@ def test_compiled_steps_show_one_forward_and_one_backward_in_the_profiler(backen
     assert torchleaf.live_states() == 0
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_inference_steps_show_one_call_in_the_profiler(backend):
+    """Without gradients a compiled graph calls torchleaf::call, which the
+    direct entry runs without the dispatcher (call_plain); the profiler
+    still shows the operator once, and nothing is captured."""
+
+    @torchleaf.leaf_function
+    def profiled_inference_leaf(x):
+        return (x * 2).sin()
+
+    profiled_inference_leaf.register_fake(torch.empty_like)
+    x = torch.randn(8)
+    step = torch.compile(lambda x: profiled_inference_leaf(x) + 1, backend=backend, fullgraph=True)
+    step(x)
+    with torch.profiler.profile() as prof:
+        out = step(x)
+    names = [e.name for e in prof.events()]
+    assert names.count("torchleaf::call") == 1
+    assert "torchleaf::forward" not in names
+    torch.testing.assert_close(out, (x * 2).sin() + 1)
+    assert torchleaf.live_states() == 0
+
+
 def test_exceptions_keep_their_type_and_name_the_leaf():
     class Boom(ValueError):
         pass
