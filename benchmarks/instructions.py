@@ -15,6 +15,8 @@ named "inductor"):
 
 - the whole compiled fwd+bwd step for the inline body, custom_op and the
   leaf, under aot_eager and under Inductor;
+- the compiled forward without gradients (inference) for custom_op and the
+  leaf;
 - the eager fwd+bwd step for the inline body and the leaf;
 - the operators the leaf's compiled graphs call, one level down at a time:
   ``torchleaf.forward`` (called as the FX graph calls it), the Python runner
