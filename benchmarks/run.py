@@ -62,6 +62,17 @@ def run_memory(quick):
     return {"peak": peak, "growth": growth}
 
 
+def _tool_measurement(title, measure):
+    """measure(log=log), or why it could not run (a missing tool: the report
+    says so instead of a table)."""
+    log(title)
+    try:
+        return measure(log=log)
+    except RuntimeError as e:
+        log(f"  not measured: {e}")
+        return str(e)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="few repetitions; results to a temp dir")
@@ -98,18 +109,8 @@ def main():
     if args.quick:
         counts = by_library = None  # minutes under valgrind and perf: full runs only
     else:
-        log("Instructions per call (callgrind)")
-        try:
-            counts = instructions.run(log=log)
-        except RuntimeError as e:
-            counts = str(e)
-            log(f"  not counted: {counts}")
-        log("Time per step by library (perf)")
-        try:
-            by_library = time_shares.by_library(log=log)
-        except RuntimeError as e:
-            by_library = str(e)
-            log(f"  not measured: {by_library}")
+        counts = _tool_measurement("Instructions per call (callgrind)", instructions.run)
+        by_library = _tool_measurement("Time per step by library (perf)", time_shares.by_library)
 
     targets = report.compute_targets(results, cpp, memory, counts)
     if args.out or args.quick:
