@@ -106,7 +106,9 @@ bool plain_call(Py_ssize_t nargs, Py_ssize_t expected, PyObject* kwnames) {
 // runner, the user's operators release it as they always do, and tensors
 // that had Python objects are dropped without taking it back (a
 // re-acquisition per tensor, per argument description).
-void release_gil_for_cpp(const LeafEntry& entry, std::optional<pybind11::gil_scoped_release>& no_gil) {
+void release_gil_for_cpp(
+    const LeafEntry& entry,
+    std::optional<pybind11::gil_scoped_release>& no_gil) {
   if (entry.has_named_op()) {
     no_gil.emplace();
   }
