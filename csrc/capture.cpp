@@ -736,7 +736,7 @@ void accumulate(at::Tensor& slot, at::Tensor&& grad, Node* fn) {
 // replays, the stash is put aside: nested compiled backwards then run in the
 // context that is current (the one the enclosing backward entered), and the
 // stash is back once the replay ends, whatever happens. Three lookups in a
-// string-keyed map (~2k instructions): the inline path skips it for graphs
+// string-keyed map (~1k instructions): the inline path skips it for graphs
 // of C++ nodes only (runs_without_python), which never reach Python.
 class PythonContextSetAside {
  public:
