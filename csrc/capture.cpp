@@ -24,6 +24,8 @@
 #include <torchleaf/config.h>
 #include <torchleaf/errors.h>
 
+#include "profiler_range.h"
+
 namespace torchleaf {
 
 using torch::autograd::Edge;
@@ -548,7 +550,7 @@ TensorList run_real(
     const std::vector<bool>* capture_mask,
     std::shared_ptr<CapturedState>* state_out,
     const torch::autograd::edge_list* caller_edges) {
-  RECORD_FUNCTION(entry.name, c10::ArrayRef<const c10::IValue>{});
+  const ProfilerRange range(entry.name);
   bool capture = false;
   if (capture_mask != nullptr) {
     TORCH_INTERNAL_ASSERT(capture_mask->size() == inputs.size());

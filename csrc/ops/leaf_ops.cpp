@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/FunctionalTensorWrapper.h>
-#include <ATen/record_function.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
@@ -11,6 +10,7 @@
 #include <limits>
 
 #include "../capture.h"
+#include "../profiler_range.h"
 #include "../state.h"
 
 namespace torchleaf::ops {
@@ -648,7 +648,7 @@ std::optional<std::tuple<TensorList, at::Tensor>> forward_plain(
   if (at::GradMode::is_enabled() || !is_plain_eager(inputs, {}) || has_fallback_keys(inputs)) {
     return std::nullopt;
   }
-  RECORD_FUNCTION("torchleaf::forward", c10::ArrayRef<const c10::IValue>{});
+  const ProfilerRange range("torchleaf::forward");
   check_no_forward_tangents(entry->id, inputs, {});
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return run_forward(std::move(entry), plan, inputs, {}, differentiable);
@@ -675,7 +675,7 @@ std::optional<TensorList> backward_plain(
       tangent = tangent || has_forward_tangent(*g);
     }
   }
-  RECORD_FUNCTION("torchleaf::backward", c10::ArrayRef<const c10::IValue>{});
+  const ProfilerRange range("torchleaf::backward");
   const auto captured = lookup_state(state, leaf);
   if (tangent) { // the error the Autograd kernel raises
     TensorList defined;

@@ -3,6 +3,9 @@
 #include "test_util.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+
+#include <algorithm>
 
 using torchleaf::TensorList;
 
@@ -158,4 +161,34 @@ TEST(Leaf, OutputsNeverAliasInputs) {
   EXPECT_FALSE(out[0].is_alias_of(x));
   EXPECT_FALSE(out[1].is_alias_of(x));
   EXPECT_TRUE(torch::equal(out[0], x));
+}
+
+namespace {
+std::vector<std::string>* g_profiled_names = nullptr;
+} // namespace
+
+TEST(Leaf, ProfilersSeeTheLeafsOperatorAndItsRealFunction) {
+  // The named operator's range is the dispatcher's; the real function's is
+  // torchleaf's own (ProfilerRange), recorded only while a profiler listens.
+  std::vector<std::string> names;
+  g_profiled_names = &names;
+  auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(
+      [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+        g_profiled_names->emplace_back(fn.name());
+        return nullptr;
+      }));
+  const auto name = unique_name("profiled");
+  auto leaf = torchleaf::define_leaf(name, [](const TensorList& in) { return TensorList{in[0] + 1}; });
+  auto x = torch::randn({3}, torch::requires_grad());
+  leaf({x})[0].sum().backward();
+  at::removeCallback(handle);
+  g_profiled_names = nullptr;
+  std::string seen;
+  for (const auto& n : names) {
+    seen += n + " ";
+  }
+  EXPECT_EQ(std::count(names.begin(), names.end(), name), 2) << seen;
+  const auto recorded = names.size();
+  EXPECT_TRUE(torch::allclose(leaf({x})[0], x + 1));
+  EXPECT_EQ(names.size(), recorded); // no listener, nothing recorded
 }

@@ -13,7 +13,6 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/stack.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -25,6 +24,7 @@
 #include <torchleaf/errors.h>
 
 #include "../../capture.h"
+#include "../../profiler_range.h"
 #include "../../state.h"
 #include "../leaf_ops.h"
 
@@ -539,7 +539,7 @@ TensorList call_eager(
     at::TensorList mutated,
     CallSite& site) {
   // What the dispatcher would record for torchleaf::call, for profilers.
-  RECORD_FUNCTION("torchleaf::call", c10::ArrayRef<const c10::IValue>{});
+  const ProfilerRange range("torchleaf::call");
   if (auto out = call_autograd(entry, inputs, mutated, site)) {
     return std::move(*out);
   }
