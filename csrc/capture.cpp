@@ -171,9 +171,6 @@ at::Tensor sink_alias(
   sink->add_input_metadata(alias);
   torch::autograd::impl::set_gradient_edge(alias, Edge(sink, 0));
   state.input_edges.emplace_back(std::move(sink), 0);
-  if (caller_edge == nullptr) { // eager calls derive it only when needed
-    state.input_meta.push_back(InputMeta{alias.sym_sizes().vec(), alias.options()});
-  }
   return alias;
 }
 
@@ -545,16 +542,16 @@ TensorList run_fake(const LeafEntry& entry, const TensorList& inputs, CallSite& 
 TensorList run_real(
     const LeafEntry& entry,
     const TensorList& inputs,
-    const std::vector<bool>& mutable_inputs,
+    c10::ArrayRef<bool> mutable_inputs,
     CallSite& site,
-    const std::vector<bool>* capture_mask,
+    c10::ArrayRef<bool> capture_mask,
     std::shared_ptr<CapturedState>* state_out,
     const torch::autograd::edge_list* caller_edges) {
   const ProfilerRange range(entry.name);
   bool capture = false;
-  if (capture_mask != nullptr) {
-    TORCH_INTERNAL_ASSERT(capture_mask->size() == inputs.size());
-    for (bool b : *capture_mask) {
+  if (!capture_mask.empty()) {
+    TORCH_INTERNAL_ASSERT(capture_mask.size() == inputs.size());
+    for (bool b : capture_mask) {
       capture = capture || b;
     }
   }
@@ -580,7 +577,7 @@ TensorList run_real(
     const auto& t = inputs[i];
     TORCHLEAF_CHECK(
         t.defined(), entry.name, "received an undefined tensor at input ", i);
-    if (capture && (*capture_mask)[i]) {
+    if (capture && capture_mask[i]) {
       const Edge* caller_edge = caller_edges != nullptr
           ? &(*caller_edges)[state->input_edges.size()]
           : nullptr;
@@ -837,7 +834,7 @@ std::optional<variable_list> replay_inline(
   // per node (stream and event slots, unused on the CPU); it is only needed
   // to sum a second gradient into a slot, which accumulate() does with
   // exactly its rules (in place when it may, sparse operands first).
-  std::vector<variable_list> buffers;
+  c10::SmallVector<variable_list, 8> buffers;
   buffers.reserve(nodes.size());
   for (auto* fn : nodes) {
     buffers.emplace_back(fn->num_inputs());
@@ -958,10 +955,12 @@ TensorList replay(
       throw;
     }
   }
-  TensorList out(state.input_edges.size());
+  // The engine returns one gradient per input edge, undefined where none
+  // flows; the inline path the same.
+  TensorList out = std::move(results);
+  out.resize(state.input_edges.size());
   for (size_t i = 0; i < out.size(); ++i) {
-    if (i < results.size() && results[i].defined()) {
-      out[i] = std::move(results[i]);
+    if (out[i].defined()) {
       // As for forward outputs (run_real): a graph owns its operators'
       // outputs, and Inductor reuses a dead one's buffer for an in-place
       // kernel. A gradient may share storage with another one or with an
@@ -974,8 +973,7 @@ TensorList replay(
     } else {
       // The fake cannot show which inputs are used, so traced backward
       // graphs expect a tensor for every differentiable input.
-      const auto& meta = state.input_meta[i];
-      out[i] = at::zeros_symint(meta.sizes, meta.options);
+      out[i] = state.input_edges[i].function->input_metadata(0).zeros_like();
     }
   }
   return out;

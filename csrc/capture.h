@@ -34,7 +34,7 @@ namespace torchleaf {
 // (`caller_edges`), whose outputs keep the captured graph's history for
 // attach_to_caller.
 //
-// With a `capture_mask` that selects at least one input, the function runs
+// With a `capture_mask` (empty: none) that selects at least one input, the function runs
 // under grad mode on aliases of the selected inputs that are cut off from the
 // caller's graph, and the graph it builds is returned in `*state`. Eager
 // callers pass `caller_edges` (one per selected input) for attach_to_caller.
@@ -44,9 +44,9 @@ namespace torchleaf {
 TensorList run_real(
     const LeafEntry& entry,
     const TensorList& inputs,
-    const std::vector<bool>& mutable_inputs,
+    c10::ArrayRef<bool> mutable_inputs,
     CallSite& site,
-    const std::vector<bool>* capture_mask = nullptr,
+    c10::ArrayRef<bool> capture_mask = {},
     std::shared_ptr<CapturedState>* state = nullptr,
     const torch::autograd::edge_list* caller_edges = nullptr);
 

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <functional>
@@ -33,6 +34,11 @@ struct CallSite {
   // output validation passes on to the fake implementation.
   std::shared_ptr<void> result;
 };
+
+// One flag per flat input of a call (mutable, captured), with inline room
+// for a typical call: a heap block per call would be a malloc and a free on
+// every step.
+using InputFlags = c10::SmallVector<bool, 8>;
 
 // The form in which the core calls a leaf's real and fake implementations.
 using LeafImpl = std::function<TensorList(const TensorList&, CallSite&)>;

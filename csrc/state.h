@@ -1,6 +1,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <memory>
@@ -35,14 +36,18 @@ struct CapturedState {
   // graphs of its calls are alive).
   LeafEntryPtr entry;
   std::vector<torch::autograd::Edge> output_edges; // invalid: no gradient
+  // One per captured input, each to its own sink node, whose input metadata
+  // (the input's sizes, dtype and device) gives a zero gradient where
+  // nothing flows.
   std::vector<torch::autograd::Edge> input_edges;
-  std::vector<InputMeta> input_meta; // parallel to input_edges (traced calls)
   // Whether any output's graph reaches input i (parallel to input_edges).
-  std::vector<bool> input_reached;
+  // (Inline capacity: a state is made on every step; each heap block is a
+  // malloc and a free on the hot path.)
+  c10::SmallVector<bool, 8> input_reached;
   // Every edge of the captured graph (node edges and output edges) that
   // leads to an input sink, with that input's index: eager calls rewire them
   // to the caller's graph.
-  std::vector<std::pair<torch::autograd::Edge*, size_t>> sink_uses;
+  c10::SmallVector<std::pair<torch::autograd::Edge*, size_t>, 4> sink_uses;
   // Set when autograd recorded the forward that made this state (inputs
   // requiring grad below a torch.func grad transform): the node that
   // refuses backward through its outputs. backward links the gradients it

@@ -282,11 +282,11 @@ TensorList call_fake(
 
 namespace {
 
-std::vector<bool> capture_mask(
+InputFlags capture_mask(
     const LeafEntry& entry,
     const FlatInputs& flat,
     at::IntArrayRef differentiable) {
-  std::vector<bool> mask(flat.tensors.size(), false);
+  InputFlags mask(flat.tensors.size(), false);
   for (int64_t i : differentiable) {
     TORCHLEAF_CHECK(
         i >= 0 && static_cast<size_t>(i) < flat.input_positions.size(),
@@ -337,7 +337,7 @@ std::tuple<TensorList, at::Tensor> run_forward(
   auto mask = capture_mask(*entry, flat, differentiable);
   std::shared_ptr<CapturedState> state;
   CallSite site{plan};
-  TensorList outputs = run_real(*entry, flat.tensors, flat.is_mutable, site, &mask, &state);
+  TensorList outputs = run_real(*entry, flat.tensors, flat.is_mutable, site, mask, &state);
   if (state == nullptr) { // nothing differentiable: an empty graph
     state = std::make_shared<CapturedState>();
     state->entry = entry;

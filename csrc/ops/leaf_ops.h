@@ -70,9 +70,10 @@ TORCHLEAF_API TensorList backward(
 struct FlatInputs {
   TensorList tensors;
   // Position in `tensors` of every entry of `inputs`.
-  std::vector<size_t> input_positions;
-  // Whether each of `tensors` came from `mutated` (may be mutated in place).
-  std::vector<bool> is_mutable;
+  c10::SmallVector<size_t, 8> input_positions;
+  // Whether each of `tensors` came from `mutated` (may be mutated in place);
+  // empty: none did.
+  InputFlags is_mutable;
 };
 FlatInputs merge_inputs(
     const LeafEntry& entry,

@@ -22,6 +22,10 @@
 
 #include "operator_entries.h"
 
+#include <c10/util/SmallVector.h>
+
+#include <type_traits>
+
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -41,10 +45,18 @@ bool exact_int(PyObject* o, int64_t& out) {
   return overflow == 0 && !(out == -1 && PyErr_Occurred());
 }
 
+// Argument lists are parsed into vectors with inline room for a typical
+// call: each heap block would be a malloc and a free on every step.
+using Tensors = c10::SmallVector<at::Tensor, 8>;
+using Ints = c10::SmallVector<int64_t, 16>;
+
 // A list of plain tensors (torch.Tensor or nn.Parameter, whose torch
-// function is disabled); with `allow_none`, None entries become undefined
-// tensors (the `Tensor?[]` of backward's gradients).
-bool plain_tensor_list(PyObject* o, std::vector<at::Tensor>& out, bool allow_none) {
+// function is disabled); into a vector of std::optional<at::Tensor>, None
+// entries become nullopt (the `Tensor?[]` of backward's gradients).
+template <typename Vector>
+bool plain_tensor_list(PyObject* o, Vector& out) {
+  constexpr bool allow_none =
+      std::is_same_v<typename Vector::value_type, std::optional<at::Tensor>>;
   if (!PyList_CheckExact(o)) {
     return false;
   }
@@ -55,7 +67,7 @@ bool plain_tensor_list(PyObject* o, std::vector<at::Tensor>& out, bool allow_non
     if (allow_none && item == Py_None) {
       out.emplace_back();
     } else if (THPVariable_CheckExact(item)) {
-      out.push_back(THPVariable_Unpack(item));
+      out.emplace_back(THPVariable_Unpack(item));
     } else {
       return false;
     }
@@ -63,7 +75,7 @@ bool plain_tensor_list(PyObject* o, std::vector<at::Tensor>& out, bool allow_non
   return true;
 }
 
-bool int_list(PyObject* o, std::vector<int64_t>& out) {
+bool int_list(PyObject* o, Ints& out) {
   if (!PyList_CheckExact(o)) {
     return false;
   }
@@ -123,9 +135,9 @@ PyObject* call_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, Py
   HANDLE_TH_ERRORS
   int64_t leaf = 0;
   int64_t plan = 0;
-  std::vector<at::Tensor> inputs;
+  Tensors inputs;
   if (!plain_call(nargs, 3, kwnames) || !exact_int(args[0], leaf) || !exact_int(args[1], plan) ||
-      !plain_tensor_list(args[2], inputs, false)) {
+      !plain_tensor_list(args[2], inputs)) {
     return fallback(self, args, nargs, kwnames);
   }
   const auto entry = get_leaf(leaf);
@@ -142,10 +154,10 @@ PyObject* forward_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
   HANDLE_TH_ERRORS
   int64_t leaf = 0;
   int64_t plan = 0;
-  std::vector<at::Tensor> inputs;
-  std::vector<int64_t> differentiable;
+  Tensors inputs;
+  Ints differentiable;
   if (!plain_call(nargs, 4, kwnames) || !exact_int(args[0], leaf) || !exact_int(args[1], plan) ||
-      !plain_tensor_list(args[2], inputs, false) || !int_list(args[3], differentiable)) {
+      !plain_tensor_list(args[2], inputs) || !int_list(args[3], differentiable)) {
     return fallback(self, args, nargs, kwnames);
   }
   auto entry = get_leaf(leaf);
@@ -172,29 +184,24 @@ PyObject* forward_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
 PyObject* backward_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   HANDLE_TH_ERRORS
   int64_t leaf = 0;
-  std::vector<at::Tensor> grads;
-  std::vector<int64_t> input_meta;
+  std::vector<std::optional<at::Tensor>> grads;
+  Ints input_meta;
   if (!plain_call(nargs, 4, kwnames) || !exact_int(args[0], leaf) ||
-      !THPVariable_CheckExact(args[1]) || !plain_tensor_list(args[2], grads, true) ||
+      !THPVariable_CheckExact(args[1]) || !plain_tensor_list(args[2], grads) ||
       !int_list(args[3], input_meta)) {
     return fallback(self, args, nargs, kwnames);
   }
   const at::Tensor& state = THPVariable_Unpack(args[1]);
-  std::vector<std::optional<at::Tensor>> optional_grads;
-  optional_grads.reserve(grads.size());
-  for (auto& g : grads) {
-    optional_grads.push_back(g.defined() ? std::optional<at::Tensor>(std::move(g)) : std::nullopt);
-  }
   TensorList out;
   {
     pybind11::gil_scoped_release no_gil;
-    if (auto plain = ops::backward_plain(leaf, state, optional_grads)) {
+    if (auto plain = ops::backward_plain(leaf, state, grads)) {
       out = std::move(*plain);
     } else {
       out = ops::backward(
           leaf,
           state,
-          c10::List<std::optional<at::Tensor>>(optional_grads),
+          c10::List<std::optional<at::Tensor>>(grads),
           c10::fromIntArrayRefSlow(input_meta));
     }
   }

@@ -452,7 +452,7 @@ TensorList call_eager_differentiable(
     const std::vector<int64_t>& differentiable,
     CallSite& site) {
   auto flat = merge_inputs(entry, inputs, mutated);
-  std::vector<bool> mask(flat.tensors.size(), false);
+  InputFlags mask(flat.tensors.size(), false);
   for (auto i : differentiable) {
     mask[flat.input_positions[i]] = true;
   }
@@ -469,7 +469,7 @@ TensorList call_eager_differentiable(
   }
   std::shared_ptr<CapturedState> state;
   TensorList outputs =
-      run_real(entry, flat.tensors, flat.is_mutable, site, &mask, &state, &caller_edges);
+      run_real(entry, flat.tensors, flat.is_mutable, site, mask, &state, &caller_edges);
   attach_to_caller(entry, *state, caller_edges, captured, outputs);
   return outputs;
 }
