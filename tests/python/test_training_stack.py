@@ -32,15 +32,27 @@ def _copying_hooks():
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
 
 
+def _graph_module_hooks():
+    # Hooks made of graph modules: AOTAutograd traces them into the compiled
+    # graphs, so Inductor compiles the copies, the state handle's included
+    # (which is why the handle's fake must be shaped like the real one).
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    pack = make_fx(lambda t: t * 1)(torch.ones(1))
+    unpack = make_fx(lambda t: t + 0)(torch.ones(1))
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 @pytest.mark.parametrize("backend", [None, *COMPILED])
-@pytest.mark.parametrize("hooks", ["save_on_cpu", "copying"])
+@pytest.mark.parametrize("hooks", ["save_on_cpu", "copying", "graph_modules"])
 def test_saved_tensor_hooks_that_copy_what_they_save(backend, hooks):
     torch._dynamo.reset()
     leaf = _leaf()
     run = leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
     x, w = _inputs()
     expected = torch.autograd.grad(_squash(x, w).sum(), (x, w))
-    context = torch.autograd.graph.save_on_cpu if hooks == "save_on_cpu" else _copying_hooks
+    context = {"save_on_cpu": torch.autograd.graph.save_on_cpu, "copying": _copying_hooks,
+               "graph_modules": _graph_module_hooks}[hooks]
     with context():
         out = run(x, w)
     got = torch.autograd.grad(out.sum(), (x, w), retain_graph=True)
