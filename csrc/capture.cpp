@@ -955,8 +955,8 @@ TensorList replay(
       throw;
     }
   }
-  // The engine returns one gradient per input edge, undefined where none
-  // flows; the inline path the same.
+  // Both paths return one gradient per input edge, undefined where none
+  // flows (nothing at all when no gradient came in).
   TensorList out = std::move(results);
   out.resize(state.input_edges.size());
   for (size_t i = 0; i < out.size(); ++i) {

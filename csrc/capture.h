@@ -34,10 +34,11 @@ namespace torchleaf {
 // (`caller_edges`), whose outputs keep the captured graph's history for
 // attach_to_caller.
 //
-// With a `capture_mask` (empty: none) that selects at least one input, the function runs
-// under grad mode on aliases of the selected inputs that are cut off from the
-// caller's graph, and the graph it builds is returned in `*state`. Eager
-// callers pass `caller_edges` (one per selected input) for attach_to_caller.
+// With a `capture_mask` (empty: none) that selects at least one input, the
+// function runs under grad mode on aliases of the selected inputs that are
+// cut off from the caller's graph, and the graph it builds is returned in
+// `*state`. Eager callers pass `caller_edges` (one per selected input) for
+// attach_to_caller.
 //
 // `site` carries the call's plan and arguments to the implementation, and
 // receives its output description.
