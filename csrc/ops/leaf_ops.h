@@ -38,12 +38,13 @@
 
 namespace torchleaf::ops {
 
-// Bumped whenever an operator schema or the meaning of its arguments
-// changes. PyTorch's on-disk compile caches key C++ leaves' graphs by the
-// leaf's named operator alone, so the Python package adds this to their key
-// (torch.compiler.config.cache_key_tag): a cached graph that calls the old
-// operators is never reused.
-constexpr int64_t kOperatorSchemaVersion = 2;
+// Bumped whenever an operator schema, the meaning of its arguments or the
+// code Inductor must generate around it changes. PyTorch's on-disk compile
+// caches key C++ leaves' graphs by the leaf's named operator alone, so the
+// Python package adds this to their key (torch.compiler.config.cache_key_tag):
+// a cached graph that calls the old operators is never reused. (3: Inductor
+// no longer reuses a capturing operator's input buffers.)
+constexpr int64_t kOperatorSchemaVersion = 3;
 
 // Calls through the dispatcher (all keys); an empty `mutated` selects the
 // non-mutating operator.

@@ -41,6 +41,7 @@ def _fake_call(leaf, plan, inputs):
 
 
 def _fake_forward(leaf, plan, inputs, differentiable):
+    _keep_captured_inputs_in_inductor()
     return _fake_call(leaf, plan, inputs), torch.empty((), dtype=torch.int64)
 
 
@@ -49,6 +50,7 @@ def _fake_call_mutating(leaf, plan, inputs, mutated):
 
 
 def _fake_forward_mutating(leaf, plan, inputs, mutated, differentiable):
+    _keep_captured_inputs_in_inductor()
     return _fake_call_mutating(leaf, plan, inputs, mutated), torch.empty((), dtype=torch.int64)
 
 
@@ -59,6 +61,71 @@ def _fake_call_functional(leaf, plan, inputs, mutated):
 def _fake_forward_functional(leaf, plan, inputs, mutated, differentiable):
     outputs, state = _fake_forward_mutating(leaf, plan, inputs, mutated, differentiable)
     return outputs, state, [torch.empty_like(t) for t in mutated]
+
+
+# The operators whose real kernel captures its body's autograd graph.
+_CAPTURING_OPS = ("forward", "forward_mutating", "forward_functional")
+
+
+def _keep_captured_inputs_in_inductor():
+    """Make Inductor keep the buffers it passes to a capturing operator.
+
+    Inductor reuses a buffer once its last reader has run: it writes the next
+    kernel's result into it. The graph a capturing call recorded may have
+    saved one of its inputs for backward (``sin`` saves its input, ``mm``
+    both operands), without Inductor knowing, so a later kernel of the same
+    graph would overwrite what the replay reads: wrong gradients, silently.
+    A copy of every input would cost each call a copy whether or not
+    anything was saved; instead the inputs of these operators are never
+    reused (they are still freed when dead; what the captured graph holds
+    stays valid). Inductor marks buffers so with
+    ``V.graph.never_reuse_buffers`` in its own lowerings (``set_``,
+    ``resize_storage_bytes_``); there is no public API, so this wraps the
+    lowering Inductor would create for the operator (private, listed in
+    docs/design.md).
+
+    Called by the capturing operators' fakes, which run while AOTAutograd
+    traces a graph, before Inductor lowers it; a no-op until Inductor is
+    imported (importing it here would cost every ``import torchleaf``)."""
+    if _inductor_lowerings_installed or "torch._inductor.lowering" not in sys.modules:
+        return
+    _install_inductor_lowerings()
+
+
+_inductor_lowerings_installed = False
+
+
+def _install_inductor_lowerings():
+    global _inductor_lowerings_installed
+    import functools
+
+    from torch._inductor import ir, lowering
+    from torch._inductor.virtualized import V
+    from torch._library.utils import get_layout_constraint_tag
+
+    for name in _CAPTURING_OPS:
+        op = getattr(torch.ops.torchleaf, name).default
+        if op not in lowering.lowerings:
+            # What GraphLowering.call_function makes for an operator without
+            # a lowering (an implicit fallback with its default layout
+            # constraint), made ahead of time so that it can be wrapped.
+            tag = get_layout_constraint_tag(op, with_default=True)
+            lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag))
+        fallback = lowering.lowerings[op]
+
+        @functools.wraps(fallback)
+        def keep_inputs(*args, _fallback=fallback, _op=op, **kwargs):
+            first = len(V.graph.operations)
+            result = _fallback(*args, **kwargs)
+            for operation in V.graph.operations[first:]:
+                if isinstance(operation, ir.FallbackKernel) and operation.op_overload is _op:
+                    for buffer in operation.inputs:
+                        if isinstance(buffer, ir.IRNode):
+                            V.graph.never_reuse_buffers.add(buffer.get_name())
+            return result
+
+        lowering.lowerings[op] = keep_inputs
+    _inductor_lowerings_installed = True
 
 
 def _malformed_meta(leaf, input_meta, at, what):

@@ -232,3 +232,32 @@ def test_an_op_overload_calls_and_hashes_through_its_op_attribute():
     assert len(calls) == 1
     assert hash(op) == hash(entry)
     lib._destroy()
+
+
+def test_inductor_lowers_capturing_operators_through_the_wrapped_fallback():
+    """torchleaf wraps the fallback lowering Inductor makes for forward and
+    adds each call's input buffers to V.graph.never_reuse_buffers
+    (_registration._keep_captured_inputs_in_inductor). This checks the pieces
+    it uses and that the generated code passes the forward's input buffer to
+    no later kernel."""
+    from torch._inductor import lowering
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.utils import run_and_get_code
+    from torch._library.utils import get_layout_constraint_tag
+
+    from torchleaf import _registration
+
+    assert callable(lowering.make_fallback) and callable(lowering.tag_to_layout_constraint)
+    assert callable(get_layout_constraint_tag)
+    assert "never_reuse_buffers" in inspect.getsource(GraphLowering.__init__)
+
+    leaf = torchleaf.leaf_function(torch.sin)
+    leaf.register_fake(torch.empty_like)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: (leaf(x[0] * 2) + leaf(x[1] * 2)).sum(), backend="inductor", fullgraph=True)
+    x = torch.randn(2, 3, requires_grad=True)
+    _, (forward_code, *_) = run_and_get_code(f, x)
+    assert _registration._inductor_lowerings_installed
+    assert torch.ops.torchleaf.forward.default in lowering.lowerings
+    assert "torch.ops.torchleaf.forward.default" in forward_code
+    assert "# reuse" not in forward_code, forward_code

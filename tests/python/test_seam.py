@@ -350,6 +350,33 @@ def test_inductor_may_reuse_an_output_buffer_the_captured_graph_saved():
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("pattern", ["two_calls", "vmap", "mm_then_tanh"])
+def test_inductor_keeps_an_input_buffer_the_captured_graph_saved(pattern):
+    """sin saves its input for backward, mm both operands. Inductor reused the
+    buffer of an intermediate passed to a leaf for its next kernel, so the
+    replay read another call's values: right outputs, wrong gradients."""
+    torch._dynamo.reset()
+    sin = torchleaf.leaf_function(torch.sin)
+    sin.register_fake(torch.empty_like)
+    mm = torchleaf.leaf_function(torch.mm)
+    mm.register_fake(lambda a, b: a.new_empty(a.shape[0], b.shape[1]))
+    programs = {
+        "two_calls": lambda f, g, x, w: (f(x[0] * 2) + f(x[1] * 2)).sum(),
+        "vmap": lambda f, g, x, w: torch.vmap(f)(x * 2).sum(),
+        "mm_then_tanh": lambda f, g, x, w: g(x * 2, w).tanh().sum(),
+    }
+    program = programs[pattern]
+    x = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    compiled = torch.compile(lambda x, w: program(sin, mm, x, w), backend="inductor", fullgraph=True)
+    got = torch.autograd.grad(compiled(x, w), (x, w), allow_unused=True, materialize_grads=True)
+    expected = torch.autograd.grad(
+        program(torch.sin, torch.mm, x, w), (x, w), allow_unused=True, materialize_grads=True
+    )
+    torch.testing.assert_close(got, expected)
+    assert torchleaf.live_states() == 0
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_models_leaves_and_module_arguments_are_collected(compiled):
     class Model(nn.Module):
