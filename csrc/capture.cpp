@@ -927,6 +927,12 @@ TensorList replay(
     // function called in the leaf's body) refuses to run under keep_graph.
     const bool keep_graph = torch::autograd::get_current_graph_task_id() == -1 ||
         torch::autograd::get_current_graph_task_keep_graph();
+    // backward's kernels run below the Autograd key; the captured nodes run
+    // as the engine runs any node, with Autograd dispatch on. What they call
+    // may record: activation checkpointing recomputes a region when a node
+    // unpacks a saved tensor, and that recomputation (a leaf call in it
+    // included) must record as the forward did.
+    AutogradKeysGuard keys(!c10::InferenceMode::is_enabled());
     try {
       auto inline_results = replay_inline(state, roots, root_grads);
       if (inline_results) {

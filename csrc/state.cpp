@@ -230,15 +230,11 @@ at::Tensor stack_state_handles(at::TensorList handles) {
   return stacked;
 }
 
-void release_after_backward(const at::Tensor& handle) {
+namespace {
+
+// Drops the kept reference to the state of `handle`, if any.
+void forget_kept(const at::Tensor& handle) {
   auto& kept = kept_states();
-  if (kept.count.load(std::memory_order_relaxed) == 0) {
-    return; // the usual case: no saved-tensor hooks, nothing kept
-  }
-  if (torch::autograd::get_current_graph_task_id() != -1 &&
-      torch::autograd::get_current_graph_task_keep_graph()) {
-    return; // retain_graph=True: a later backward may need it
-  }
   const int64_t value = *handle.const_data_ptr<int64_t>();
   std::shared_ptr<CapturedState> doomed;
   {
@@ -252,6 +248,27 @@ void release_after_backward(const at::Tensor& handle) {
     kept.count.store(kept.states.size(), std::memory_order_relaxed);
   }
   // `doomed` dies here, outside the lock (freeing a graph may re-enter).
+}
+
+} // namespace
+
+void release_after_backward(const at::Tensor& handle) {
+  if (kept_states().count.load(std::memory_order_relaxed) == 0) {
+    return; // the usual case: no saved-tensor hooks, nothing kept
+  }
+  if (torch::autograd::get_current_graph_task_id() != -1 &&
+      torch::autograd::get_current_graph_task_keep_graph()) {
+    return; // retain_graph=True: a later backward may need it
+  }
+  forget_kept(handle);
+}
+
+void held_by_its_handle_alone(const at::Tensor& handle) {
+  if (kept_states().count.load(std::memory_order_relaxed) == 0 ||
+      !is_concrete_handle(handle)) {
+    return;
+  }
+  forget_kept(handle);
 }
 
 int64_t live_state_count() {

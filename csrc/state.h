@@ -89,6 +89,13 @@ std::shared_ptr<CapturedState> lookup_state(const at::Tensor& handle, int64_t le
 // sample's backward finds its own state through lookup_state.
 TORCHLEAF_API at::Tensor stack_state_handles(at::TensorList handles);
 
+// Called by the owner of `handle` that keeps the handle itself (an autograd
+// node's member, which saved-tensor hooks never see): forgets the state kept
+// for copies, which would otherwise outlive every backward that never runs
+// (a forward whose outputs are dropped, activation checkpointing's
+// recomputation, whose outputs are).
+void held_by_its_handle_alone(const at::Tensor& handle);
+
 // Called by backward after replaying `handle`'s state: forgets a state kept
 // for copies when the running backward does not retain the graph.
 void release_after_backward(const at::Tensor& handle);

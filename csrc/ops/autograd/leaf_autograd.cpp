@@ -520,6 +520,7 @@ std::optional<TensorList> call_autograd(
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     std::tie(outputs, state) = ops::forward(entry.id, site.plan, inputs, mutated, differentiable);
   }
+  held_by_its_handle_alone(state);
   auto node = c10::make_intrusive<LeafBackward>(
       entry.shared_from_this(), std::move(state), std::move(differentiable), std::move(input_meta));
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
