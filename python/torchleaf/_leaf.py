@@ -1112,7 +1112,12 @@ def _order_decisions(mutates):
     """(whether the compiled call Dynamo traces now takes the order token,
     whether it stores its own), see _compiled_call."""
     first = _first_ordered_call()  # (also when mutating: it marks the trace)
-    return mutates or not first, not _tracing_a_subgraph()
+    # Under a torch.func transform traced by Dynamo (grad, vjp, jacrev) the
+    # returned token is wrapped at the transform's level; stored to a global
+    # it would be a graph output AOTAutograd cannot read. Calls there are
+    # ordered by the token they thread, as inside higher-order operators.
+    stores = not _tracing_a_subgraph() and torch._C._functorch.peek_interpreter_stack() is None
+    return mutates or not first, stores
 
 
 def _positional_plan(leaf, n):

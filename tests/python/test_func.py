@@ -93,6 +93,26 @@ def test_grad_and_jacrev(leaf):
     torch.testing.assert_close(got, torch.func.grad_and_value(lambda x: sin3(x).sum() * sin3(x).sum())(x))
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_transforms_inside_a_compiled_function(leaf, backend):
+    """torch.func.grad, vjp and jacrev of a leaf, traced by Dynamo: the call's
+    order token came back wrapped at grad's level and was stored to a global,
+    a graph output AOTAutograd could not read ("Cannot access storage of
+    TensorWrapper")."""
+    _, f, _, _ = leaf
+    x = randn(5)
+    programs = {
+        "grad": lambda f, x: grad(loss(f))(x),
+        "vjp": lambda f, x: torch.func.vjp(f, x)[1](torch.ones_like(x))[0],
+        "jacrev": lambda f, x: jacrev(f)(x),
+    }
+    for name, program in programs.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x: program(f, x), backend=backend, fullgraph=True)
+        torch.testing.assert_close(compiled(x), program(sin3, x), msg=name)
+    assert torchleaf.live_states() == 0
+
+
 def test_per_sample_gradients(leaf):
     _, f, g, g_body = leaf
     x, w = randn(6, 3), randn(3)
