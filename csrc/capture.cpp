@@ -1024,7 +1024,11 @@ void attach_to_caller(
     if (outputs[k].requires_grad()) {
       outputs[k] = detached(outputs[k]);
     }
-    if (torch::autograd::isDifferentiableType(outputs[k].scalar_type())) {
+    // An output the captured graph does not connect to any input (a
+    // constant, or one computed from cut-off tensors alone) does not
+    // require grad, as with the plain function.
+    if (state.output_edges[k].is_valid() &&
+        torch::autograd::isDifferentiableType(outputs[k].scalar_type())) {
       torch::autograd::set_history(outputs[k], router);
     } else {
       router->add_input_metadata(Node::undefined_input());

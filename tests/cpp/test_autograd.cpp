@@ -108,6 +108,8 @@ TEST(Autograd, UnusedInputGetsZerosAndIntegerOutputsAreNotDifferentiable) {
   auto unused = torch::randn({2, 2}, torch::requires_grad(true));
   auto out = leaf({x, unused});
   EXPECT_FALSE(out[1].requires_grad());
+  // Depends on no input: does not require grad, as with the plain function.
+  EXPECT_FALSE(out[2].requires_grad());
   auto g = torch::autograd::grad({out[0].sum() + out[2].sum()}, {x, unused});
   EXPECT_TRUE(torch::allclose(g[0], torch::full({3}, 2.0)));
   ASSERT_TRUE(g[1].defined());

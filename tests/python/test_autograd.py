@@ -97,9 +97,14 @@ def test_unused_inputs_get_zeros_and_non_differentiable_outputs():
     x, unused = torch.randn(3, requires_grad=True), torch.randn(2, 2, requires_grad=True)
     a, idx, const = leaf(x, unused)
     assert idx.dtype == torch.int64 and not idx.requires_grad
+    # As with the plain function: an output that depends on no input does
+    # not require grad (it did when some differentiable input went unused).
+    assert a.requires_grad and not const.requires_grad
     gx, gu = torch.autograd.grad(a.sum() + const.sum(), (x, unused))
     torch.testing.assert_close(gx, torch.full((3,), 2.0))
     torch.testing.assert_close(gu, torch.zeros(2, 2))
+    # Only the unused input requires grad: nothing does.
+    assert not any(t.requires_grad for t in leaf(x.detach(), unused))
 
 
 def _accumulation(f, compiled):
