@@ -932,6 +932,13 @@ def _run_fake(leaf_ref, plan_index, tensors, arguments, real_desc):
             out = _invoke(leaf, leaf._fake, plan, tensors, arguments, fake=True)
     except BaseException as e:
         _add_note(e, f"raised inside the fake implementation of leaf function '{leaf._name}'")
+        if _is_compiling() and _names_no_leaf_under_dynamo(e):
+            # Dynamo reports an exception from a fake as "got KeyError(...)"
+            # on the operator call, its context (and our note) suppressed.
+            raise LeafFunctionError(
+                f"torchleaf: the fake implementation of leaf function '{leaf._name}' raised "
+                f"{type(e).__name__}: {e}"
+            ) from e
         raise
     flat, desc = _flatten_output(leaf, out)
     _check_fake_constants(leaf, desc)
@@ -945,6 +952,19 @@ def _run_fake(leaf_ref, plan_index, tensors, arguments, real_desc):
     elif arguments is None:
         plan.record_output(desc)  # what a traced graph returns for this call structure
     return flat
+
+
+def _names_no_leaf_under_dynamo(e):
+    """Whether an exception from a fake would reach a torch.compile user
+    without the leaf's name: the user's own (or Python's builtin) errors.
+    PyTorch's own (data-dependent shapes, guards, Dynamo's) are left alone:
+    the compiler acts on them."""
+    module = type(e).__module__ or ""
+    return (
+        isinstance(e, Exception)
+        and not isinstance(e, LeafFunctionError)
+        and module.split(".")[0] != "torch"
+    )
 
 
 def _aliases(a, b):

@@ -240,6 +240,15 @@ def test_exceptions_in_fake_and_backward_keep_their_type():
         with FakeTensorMode():
             leaf(torch.empty(2))
     assert any("fake implementation of leaf function" in n for n in info.value.__notes__)
+    # Under torch.compile Dynamo reports it on the operator call, with its
+    # context suppressed: the message must name the leaf itself.
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: leaf(x) * 2, backend="eager", fullgraph=True)
+    with pytest.raises(
+        torch._dynamo.exc.TorchRuntimeError,
+        match=r"fake implementation of leaf function '.*' raised FakeBroke: 'no shapes today'",
+    ):
+        compiled(torch.ones(2))
 
     class BackwardBroke(ArithmeticError):
         pass
