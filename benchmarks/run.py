@@ -21,6 +21,7 @@ import time
 
 import torch
 
+import capture_split
 import cpp_bench
 import instructions
 import module_args
@@ -106,6 +107,9 @@ def main():
     log("Memory")
     memory = run_memory(args.quick)
 
+    log("Seam, capture and replay (python benchmarks/capture_split.py runs only this)")
+    split = capture_split.run(quick=args.quick, log=log)
+
     if args.quick:
         counts = by_library = None  # minutes under valgrind and perf: full runs only
     else:
@@ -126,6 +130,7 @@ def main():
                 "memory": memory,
                 "instructions": counts,
                 "time_by_library": by_library,
+                "capture_split": split,
             }, f, indent=1)
     else:
         md_path, plot_path = os.path.join(ROOT, "BENCHMARKS.md"), os.path.join(ROOT, "docs", "overhead.png")
@@ -151,6 +156,7 @@ def main():
         elapsed_s=time.time() - started,
         instructions=counts,
         by_library=by_library,
+        split=split,
     )
     with open(md_path, "w") as f:
         f.write(text)

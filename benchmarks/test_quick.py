@@ -26,6 +26,10 @@ def test_quick_benchmark_run(tmp_path):
     for row in torchleaf_rows:
         assert "not supported" not in row, row
     assert "| torchleaf leaf |" in table  # C++ and memory rows
+    # The seam / capture / replay split, both backends, three forms each.
+    split_rows = [line for line in table.splitlines() if line.startswith(("| aot_eager | forward", "| inductor | forward"))]
+    assert len(split_rows) == 6, table
+    assert "- inductor: the seam" in table
     assert (tmp_path / "overhead.png").stat().st_size > 0
     assert (tmp_path / "results.json").exists()
 
