@@ -377,11 +377,12 @@ def time_by_library_markdown(by_library):
         "At equal instruction counts the leaf's step moves work from the interpreter and "
         "libtorch_python into C++: libtorch_cpu records the body's autograd graph, replays its "
         "nodes and frees it, and torchleaf's own libraries capture, keep and replay it. That C++ "
-        "runs once per step, cold in the CPU's caches, and costs 2-3x the time per instruction of "
-        "the interpreter's hot loop, so the leaf's wall-clock overhead is above custom_op's while "
-        "its instruction count is not. The recording and the replayed nodes are what a leaf is (a "
-        "backward that is not hand-written); docs/profile.md (\"Wall-clock time\") has the "
-        "per-symbol detail and the changes made against it.",
+        "runs once per step and costs 2-3x the time per instruction of the interpreter's hot loop, "
+        "so the leaf's wall-clock overhead is above custom_op's while its instruction count is not "
+        "(not for want of cache: clearing L2 between steps leaves the gap unchanged, "
+        "docs/profile.md). The recording and the replayed nodes are what a leaf is (a backward "
+        "that is not hand-written); docs/profile.md (\"Wall-clock time\") has the per-symbol "
+        "detail and the changes made against it.",
         "",
     ]
     return out
