@@ -148,7 +148,8 @@ LeafFunction define_leaf(
   const std::string schema = name +
       (has_mutated ? "(Tensor[] inputs, Tensor(a!)[] mutated) -> Tensor[]"
                    : "(Tensor[] inputs) -> Tensor[]");
-  lib->def(schema.c_str());
+  const auto tags = ops::leaf_operator_tags(); // (a named list: see leaf_ops.cpp)
+  lib->def(schema.c_str(), tags);
   register_kernels(*lib, name, entry.get());
   entry->named_op =
       c10::Dispatcher::singleton().findSchemaOrThrow(qualified_name.c_str(), "");

@@ -151,10 +151,12 @@ BoundOperatorPtr define_operator(const std::string& qualified_name, bool mutatin
   const auto [ns, name] = split_qualified_name(qualified_name);
   auto lib = std::make_unique<torch::Library>(
       torch::Library::FRAGMENT, ns, std::nullopt, __FILE__, __LINE__);
+  const auto tags = leaf_operator_tags(); // (a named list: see leaf_ops.cpp)
   lib->def((name +
             (mutating ? "(Tensor[] inputs, Tensor(a!)[] mutated, str call) -> Tensor[]"
                       : "(Tensor[] inputs, str call) -> Tensor[]"))
-               .c_str());
+               .c_str(),
+           tags);
   auto op = std::make_shared<BoundOperator>(qualified_name, mutating, std::move(lib));
   register_kernels(*op->library, name, op);
   return op;

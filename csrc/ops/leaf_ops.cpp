@@ -567,30 +567,43 @@ TORCH_LIBRARY_IMPL(torchleaf, Functionalize, m) {
 }
 
 TORCH_LIBRARY(torchleaf, m) {
-  m.def("call(int leaf, int plan, Tensor[] inputs) -> Tensor[]");
-  m.def(
+  const auto tags = leaf_operator_tags();
+  // (A string literal, or a temporary tag list, would pick def's (schema,
+  // kernel) template overload.)
+  auto def = [&m](const char* schema, const std::vector<at::Tag>& schema_tags) {
+    m.def(schema, schema_tags);
+  };
+  def("call(int leaf, int plan, Tensor[] inputs) -> Tensor[]", tags);
+  def(
       "forward(int leaf, int plan, Tensor[] inputs, int[] differentiable) "
-      "-> (Tensor[], Tensor)");
-  m.def(
+      "-> (Tensor[], Tensor)",
+      tags);
+  def(
       "call_mutating(int leaf, int plan, Tensor[] inputs, Tensor(a!)[] mutated) "
-      "-> Tensor[]");
-  m.def(
+      "-> Tensor[]",
+      tags);
+  def(
       "forward_mutating(int leaf, int plan, Tensor[] inputs, "
-      "Tensor(a!)[] mutated, int[] differentiable) -> (Tensor[], Tensor)");
-  m.def(
+      "Tensor(a!)[] mutated, int[] differentiable) -> (Tensor[], Tensor)",
+      tags);
+  def(
       "call_functional(int leaf, int plan, Tensor[] inputs, Tensor[] mutated) "
-      "-> (Tensor[], Tensor[])");
-  m.def(
+      "-> (Tensor[], Tensor[])",
+      tags);
+  def(
       "forward_functional(int leaf, int plan, Tensor[] inputs, "
-      "Tensor[] mutated, int[] differentiable) -> (Tensor[], Tensor, Tensor[])");
+      "Tensor[] mutated, int[] differentiable) -> (Tensor[], Tensor, Tensor[])",
+      tags);
   // Inductor passes backward's gradients contiguous: a loss's gradient is
   // often an expand (stride 0), which a fused kernel then writes once,
   // where the replayed aten ops would each copy it for a dense operand (mm
   // does, once per product). Other backends and eager pass them as they are.
-  m.def(
+  auto backward_tags = tags;
+  backward_tags.push_back(at::Tag::needs_contiguous_strides);
+  def(
       "backward(int leaf, Tensor state, Tensor?[] grads, SymInt[] input_meta) "
       "-> Tensor[]",
-      {at::Tag::needs_contiguous_strides});
+      backward_tags);
 }
 
 TORCH_LIBRARY_IMPL(torchleaf, CompositeExplicitAutograd, m) {

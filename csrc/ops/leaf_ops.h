@@ -31,6 +31,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include <torchleaf/export.h>
 
@@ -45,6 +46,15 @@ namespace torchleaf::ops {
 // a cached graph that calls the old operators is never reused. (3: Inductor
 // no longer reuses a capturing operator's input buffers.)
 constexpr int64_t kOperatorSchemaVersion = 3;
+
+// Tags of every operator that runs a leaf's functions. cudagraph_unsafe:
+// a CUDA graph replays the kernels one call launched, so the function (its
+// control flow, its side effects, its host synchronizations) would never
+// run again; Inductor leaves graphs with such operators out of CUDA graphs
+// (torch.compile mode="reduce-overhead"), or partitions around them.
+inline std::vector<at::Tag> leaf_operator_tags() {
+  return {at::Tag::cudagraph_unsafe};
+}
 
 // Calls through the dispatcher (all keys); an empty `mutated` selects the
 // non-mutating operator.

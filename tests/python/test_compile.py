@@ -635,3 +635,40 @@ def test_compiled_double_backward_is_a_clear_error(backend):
     torch.testing.assert_close(first, x.cos())  # first derivatives are fine
     with pytest.raises(RuntimeError, match="torch.compile with aot_autograd does not currently support double backward"):
         first.sum().backward()
+
+
+def test_leaf_operators_keep_graphs_out_of_cuda_graphs(cpp_leaves):
+    """A CUDA graph replays the kernels one call launched: a leaf's function
+    (its control flow, side effects, host syncs) would never run again under
+    torch.compile(mode="reduce-overhead"). Every operator that runs a leaf is
+    tagged cudagraph_unsafe, which Inductor checks before capturing a graph
+    (or partitions around). CPU only here: checked through the tag and
+    Inductor's own test of a graph."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    ops, _ = cpp_leaves
+    named_python = torchleaf.leaf_function(name="torchleaf_compile_test::doubled")(lambda x: x * 2)
+    named_python.register_fake(torch.empty_like)
+    overloads = [getattr(torch.ops.torchleaf, name).default for name in (
+        "call", "forward", "backward", "call_mutating", "forward_mutating",
+        "call_functional", "forward_functional",
+    )] + [ops.sin3.default, torch.ops.torchleaf_compile_test.doubled.default]
+    for overload in overloads:
+        assert torch.Tag.cudagraph_unsafe in overload.tags, overload
+
+    leaf = torchleaf.leaf_function(lambda x: x.sin())
+    leaf.register_fake(torch.empty_like)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+    torch.compile(lambda x: leaf(x * 2).sum(), backend=backend, fullgraph=True)(
+        torch.randn(3, requires_grad=True)
+    ).backward()
+    forward_graph, backward_graph = graphs
+    assert get_first_incompatible_cudagraph_node(forward_graph).target is torch.ops.torchleaf.forward.default
+    assert get_first_incompatible_cudagraph_node(backward_graph).target is torch.ops.torchleaf.backward.default
