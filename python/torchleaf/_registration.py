@@ -120,8 +120,10 @@ def _install_inductor_lowerings():
             for operation in V.graph.operations[first:]:
                 if isinstance(operation, ir.FallbackKernel) and operation.op_overload is _op:
                     for buffer in operation.inputs:
-                        if isinstance(buffer, ir.IRNode):
+                        try:
                             V.graph.never_reuse_buffers.add(buffer.get_name())
+                        except (AttributeError, NotImplementedError):
+                            pass  # not a buffer (a constant, an opaque object)
             return result
 
         lowering.lowerings[op] = keep_inputs
