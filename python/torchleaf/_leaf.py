@@ -957,12 +957,13 @@ def _run_fake(leaf_ref, plan_index, tensors, arguments, real_desc):
 def _names_no_leaf_under_dynamo(e):
     """Whether an exception from a fake would reach a torch.compile user
     without the leaf's name: the user's own (or Python's builtin) errors.
-    PyTorch's own (data-dependent shapes, guards, Dynamo's) are left alone:
-    the compiler acts on them."""
+    Left alone: PyTorch's own (data-dependent shapes, guards, Dynamo's), and
+    TypeError, which Dynamo turns into a graph break (get_fake_value): the
+    compiler acts on them."""
     module = type(e).__module__ or ""
     return (
         isinstance(e, Exception)
-        and not isinstance(e, LeafFunctionError)
+        and not isinstance(e, (LeafFunctionError, TypeError))
         and module.split(".")[0] != "torch"
     )
 

@@ -249,6 +249,15 @@ def test_exceptions_in_fake_and_backward_keep_their_type():
         match=r"fake implementation of leaf function '.*' raised FakeBroke: 'no shapes today'",
     ):
         compiled(torch.ones(2))
+    # A TypeError about arguments is Dynamo's cue for a graph break (the call
+    # then runs eagerly, without the fake): left as it is.
+    def mistyped_fake(x):
+        return x.expand(2, bogus=1)
+
+    mistyped = leaf_with_fake(lambda x: x + 1, mistyped_fake)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: mistyped(x) * 2, backend="eager")
+    torch.testing.assert_close(compiled(torch.ones(2)), torch.full((2,), 4.0))
 
     class BackwardBroke(ArithmeticError):
         pass
