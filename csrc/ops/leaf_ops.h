@@ -44,7 +44,8 @@ namespace torchleaf::ops {
 // caches key C++ leaves' graphs by the leaf's named operator alone, so the
 // Python package adds this to their key (torch.compiler.config.cache_key_tag):
 // a cached graph that calls the old operators is never reused. (3: Inductor
-// no longer reuses a capturing operator's input buffers.)
+// no longer reuses a capturing operator's input buffers, and every leaf
+// operator is tagged cudagraph_unsafe.)
 constexpr int64_t kOperatorSchemaVersion = 3;
 
 // Tags of every operator that runs a leaf's functions. cudagraph_unsafe:
