@@ -255,6 +255,13 @@ void FakeOutputRecords::check(
     if (it == plans_.end()) {
       return;
     }
+    // A record whose input strides match this call's decides alone when
+    // there is one: a trace with other input layouts (only sizes match)
+    // expected other output strides and would accept what this layout's
+    // trace rules out.
+    bool exact_seen = false;
+    bool loose_accepts = false;
+    std::string loose_failure;
     for (const auto& rec : it->second.records) {
       if (rec.inputs.size() != inputs.size()) {
         continue;
@@ -264,7 +271,7 @@ void FakeOutputRecords::check(
       for (size_t i = 0; matches && i < inputs.size(); ++i) {
         matches = input_matches(rec.inputs[i], inputs[i], strides_match);
       }
-      if (!matches) {
+      if (!matches || (exact_seen && !strides_match)) {
         continue;
       }
       std::string why;
@@ -282,12 +289,25 @@ void FakeOutputRecords::check(
           why = c10::str("output ", i, " has ", what, " when the graph was traced");
         }
       }
-      if (why.empty()) {
-        return; // a trace that agrees with this call
+      if (strides_match) {
+        if (why.empty()) {
+          return; // a trace of this very layout agrees with this call
+        }
+        if (!exact_seen) {
+          exact_seen = true;
+          failure = std::move(why);
+        }
+      } else if (why.empty()) {
+        loose_accepts = true;
+      } else if (loose_failure.empty()) {
+        loose_failure = std::move(why);
       }
-      if (failure.empty()) {
-        failure = std::move(why);
+    }
+    if (!exact_seen) {
+      if (loose_accepts) {
+        return;
       }
+      failure = std::move(loose_failure);
     }
   }
   if (!failure.empty()) {

@@ -36,7 +36,9 @@ using TensorList = std::vector<at::Tensor>;
 // function of its inputs' metadata and the plan's constants. Output strides
 // are recorded only by traces that rely on them (Inductor's lowering), and
 // compared only when the inputs' strides match the traced ones too (and, as
-// Inductor does, only in dimensions of size > 1).
+// Inductor does, only in dimensions of size > 1); a record whose input
+// strides match decides alone, so that a trace of another input layout
+// cannot accept what this layout's trace rules out.
 //
 // Cost per real call: an atomic load when the leaf was never traced;
 // otherwise a mutex, a hash lookup and a comparison of a few integers per

@@ -561,6 +561,23 @@ def test_a_fake_with_the_wrong_strides_is_named_where_the_graph_relies_on_them(b
         torch.testing.assert_close(compiled(x), real(x) + 1)
 
 
+def test_a_layout_traced_second_is_checked_against_its_own_trace():
+    """A fake that is right for channels_last inputs and wrong for contiguous
+    ones (the body's channels_last weight makes every output channels_last).
+    Traced first with channels_last, then recompiled for a contiguous input:
+    the first trace's record (only sizes match) used to accept the call and
+    Inductor's own stride assert fired, naming no leaf."""
+    torch._dynamo.reset()
+    weight = torch.randn(3, 3, 1, 1).to(memory_format=torch.channels_last)
+    leaf = _leaf(lambda x: torch.nn.functional.conv2d(x, weight), torch.empty_like)
+    compiled = torch.compile(lambda x: leaf(x * 2).sum(), backend="inductor", fullgraph=True)
+    x = torch.randn(2, 3, 4, 4)
+    compiled(x.to(memory_format=torch.channels_last))  # right for this layout
+    with pytest.raises(LeafFunctionError, match=r"output 0 has strides \[48, 1, 12, 3\] \(shape \[2, 3, 4, 4\]\) "
+                       r"but the fake implementation returned strides \[48, 16, 4, 1\]"):
+        compiled(x)
+
+
 @pytest.mark.parametrize("backend", COMPILED)
 def test_correct_fakes_pass_the_check_with_dynamic_and_changing_shapes(backend):
     torch._dynamo.reset()
