@@ -96,13 +96,12 @@ def test_activation_checkpointing(backend, selective):
     def recompute_all(ctx, op, *args, **kwargs):
         return CheckpointPolicy.PREFER_RECOMPUTE
 
+    options = {"use_reentrant": False}
+    if selective:
+        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, recompute_all)
+
     def program(x, w):
-        if selective:
-            return checkpoint(
-                lambda x, w: leaf(x, w).sin() * 2, x, w, use_reentrant=False,
-                context_fn=functools.partial(create_selective_checkpoint_contexts, recompute_all),
-            )
-        return checkpoint(lambda x, w: leaf(x, w).sin() * 2, x, w, use_reentrant=False)
+        return checkpoint(lambda x, w: leaf(x, w).sin() * 2, x, w, **options)
 
     run = program if backend is None else torch.compile(program, backend=backend, fullgraph=True)
     x, w = _inputs()
