@@ -249,3 +249,9 @@ def main(argv=None):
         dist.destroy_process_group()
     print(f"rank {rank}: {report}", flush=True)
     print(OK, flush=True)
+    # Every check has passed. Skip the interpreter's teardown: under the full
+    # suite's load, a rank sometimes aborted there ("terminate called without
+    # an active exception", a C++ thread still joinable when PyTorch's
+    # distributed objects are destroyed at exit), after printing OK, and the
+    # harness then failed a run whose training matched.
+    os._exit(0)
