@@ -45,8 +45,9 @@ namespace torchleaf::ops {
 // Python package adds this to their key (torch.compiler.config.cache_key_tag):
 // a cached graph that calls the old operators is never reused. (3: Inductor
 // no longer reuses a capturing operator's input buffers, and every leaf
-// operator is tagged cudagraph_unsafe.)
-constexpr int64_t kOperatorSchemaVersion = 3;
+// operator is tagged cudagraph_unsafe. 4: Inductor copies an input of a
+// capturing operator that a later node of the graph writes to.)
+constexpr int64_t kOperatorSchemaVersion = 4;
 
 // Tags of every operator that runs a leaf's functions. cudagraph_unsafe:
 // a CUDA graph replays the kernels one call launched, so the function (its

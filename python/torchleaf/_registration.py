@@ -4,6 +4,7 @@ support, unbacked sizes included), and what keeps calls from being
 dead-code-eliminated or reordered."""
 
 import sys
+import weakref
 
 import torch
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
@@ -103,6 +104,7 @@ def _install_inductor_lowerings():
     from torch._inductor.virtualized import V
     from torch._library.utils import get_layout_constraint_tag
 
+    clone = lowering.lowerings[torch.ops.aten.clone.default]
     for name in _CAPTURING_OPS:
         op = getattr(torch.ops.torchleaf, name).default
         if op not in lowering.lowerings:
@@ -115,6 +117,7 @@ def _install_inductor_lowerings():
 
         @functools.wraps(fallback)
         def keep_inputs(*args, _fallback=fallback, _op=op, **kwargs):
+            args = _copy_inputs_written_later(args, clone)
             first = len(V.graph.operations)
             result = _fallback(*args, **kwargs)
             for operation in V.graph.operations[first:]:
@@ -128,6 +131,74 @@ def _install_inductor_lowerings():
 
         lowering.lowerings[op] = keep_inputs
     _inductor_lowerings_installed = True
+
+
+# Per graph being lowered: each FX node's position, and for each storage the
+# position of the last node that writes to it.
+_graph_writes = weakref.WeakKeyDictionary()
+
+
+def _storage_of(node):
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(val.untyped_storage())
+
+
+def _writes_of(graph):
+    known = _graph_writes.get(graph)
+    if known is None:
+        positions, last_write = {}, {}
+        for i, node in enumerate(graph.module.graph.nodes):
+            positions[node] = i
+            schema = getattr(node.target, "_schema", None)
+            if node.op != "call_function" or schema is None or not schema.is_mutable:
+                continue
+            for k, arg in enumerate(schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                value = node.args[k] if k < len(node.args) else node.kwargs.get(arg.name)
+                for written in value if isinstance(value, (list, tuple)) else (value,):
+                    storage = _storage_of(written)
+                    if storage is not None:
+                        last_write[storage] = i
+        known = _graph_writes[graph] = (positions, last_write)
+    return known
+
+
+def _copy_inputs_written_later(args, clone):
+    """The inputs of a capturing call, with a copy for each one that a later
+    node of the graph writes to.
+
+    The captured graph may have saved an input for backward. In eager mode,
+    or under aot_eager, a later in-place change of it bumps its version
+    counter and the replay refuses it ("modified by an inplace operation").
+    Inductor writes a graph input's mutation (``w.add_(1)`` after the call,
+    kept in the graph as ``copy_``), or an in-place custom operator it
+    re-inplaced, straight into the buffer, and bumps the version before the
+    graph runs: the replay would read the new values, silently. Those inputs
+    alone get a copy, so the replay sees the values the call saw; a graph
+    without such writes pays nothing."""
+    from torch._inductor.virtualized import V
+
+    node = V.graph.current_node
+    if node is None or len(args) < 3 or len(node.args) < 3:
+        return args
+    positions, last_write = _writes_of(V.graph)
+    here = positions.get(node)
+    if here is None or not last_write:
+        return args
+    inputs = list(args[2])
+    copied = False
+    for k, input_node in enumerate(node.args[2]):
+        if last_write.get(_storage_of(input_node), -1) > here:
+            inputs[k] = clone(inputs[k])
+            copied = True
+    if not copied:
+        return args
+    return (*args[:2], inputs, *args[3:])
 
 
 def _malformed_meta(leaf, input_meta, at, what):

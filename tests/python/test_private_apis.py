@@ -250,6 +250,11 @@ def test_inductor_lowers_capturing_operators_through_the_wrapped_fallback():
     assert callable(lowering.make_fallback) and callable(lowering.tag_to_layout_constraint)
     assert callable(get_layout_constraint_tag)
     assert "never_reuse_buffers" in inspect.getsource(GraphLowering.__init__)
+    # _copy_inputs_written_later: the FX node being lowered, the graph module
+    # it belongs to, and aten.clone's lowering.
+    assert "self.current_node" in inspect.getsource(GraphLowering.__init__)
+    assert issubclass(GraphLowering, torch.fx.Interpreter)  # .module: the graph's GraphModule
+    assert torch.ops.aten.clone.default in lowering.lowerings
 
     leaf = torchleaf.leaf_function(torch.sin)
     leaf.register_fake(torch.empty_like)

@@ -377,6 +377,40 @@ def test_inductor_keeps_an_input_buffer_the_captured_graph_saved(pattern):
     assert torchleaf.live_states() == 0
 
 
+@pytest.mark.parametrize("passed", ["whole", "view"])
+def test_inductor_copies_an_input_the_graph_changes_in_place_afterwards(passed):
+    """The body saves its input `w` (mul does); the compiled function then
+    changes `w` in place. Inductor writes that change into w's buffer, and
+    bumped w's version before the graph ran, so the replay read the new
+    values: wrong gradients, silently (eager and aot_eager raise "modified by
+    an inplace operation"). The call now gets a copy of such an input."""
+    torch._dynamo.reset()
+
+    @torchleaf.leaf_function
+    def weigh(h, w):
+        return (h.sin() * w).sum(0)
+
+    @weigh.register_fake
+    def _(h, w):
+        return h.new_empty(h.shape[1:])
+
+    pick = (lambda w: w) if passed == "whole" else (lambda w: w[1])
+
+    def program(x, w):
+        y = weigh(x * 2, pick(w))
+        w.add_(1)
+        return y.sum()
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, dtype=torch.float64) if passed == "whole" else torch.randn(2, 3, 4, dtype=torch.float64)
+    before = w.clone()
+    (got,) = torch.autograd.grad(torch.compile(program, backend="inductor", fullgraph=True)(x, w), x)
+    torch.testing.assert_close(w, before + 1)
+    (expected,) = torch.autograd.grad(((x * 2).sin() * pick(before)).sum(), x)
+    torch.testing.assert_close(got, expected)
+    assert torchleaf.live_states() == 0
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_models_leaves_and_module_arguments_are_collected(compiled):
     class Model(nn.Module):
