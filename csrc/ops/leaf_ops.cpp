@@ -416,6 +416,14 @@ TensorList backward_kernel(
   return run_backward(*lookup_state(state, leaf), state, to_vector(grads));
 }
 
+at::Tensor stack_handles_meta(at::TensorList handles) {
+  TORCH_CHECK(!handles.empty(), "stack_handles: no handles");
+  std::vector<c10::SymInt> sizes{c10::SymInt(static_cast<int64_t>(handles.size()))};
+  const auto shape = handles[0].sym_sizes();
+  sizes.insert(sizes.end(), shape.begin(), shape.end());
+  return at::empty_symint(sizes, handles[0].options().device(c10::kMeta));
+}
+
 TensorList backward_meta(
     int64_t leaf,
     const at::Tensor& /*state*/,
@@ -604,6 +612,10 @@ TORCH_LIBRARY(torchleaf, m) {
       "backward(int leaf, Tensor state, Tensor?[] grads, SymInt[] input_meta) "
       "-> Tensor[]",
       backward_tags);
+  // The batched state handle of a per-sample loop under vmap(grad(leaf))
+  // (stack_state_handles). An operator, not a helper, so that a traced
+  // vmap(grad(leaf)) records it: the compiled graph stacks the real handles.
+  m.def("stack_handles(Tensor[] handles) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchleaf, CompositeExplicitAutograd, m) {
@@ -614,6 +626,7 @@ TORCH_LIBRARY_IMPL(torchleaf, CompositeExplicitAutograd, m) {
   m.impl("call_functional", &call_functional_kernel);
   m.impl("forward_functional", &forward_functional_kernel);
   m.impl("backward", &backward_kernel);
+  m.impl("stack_handles", &stack_state_handles);
 }
 
 TORCH_LIBRARY_IMPL(torchleaf, Meta, m) {
@@ -624,6 +637,7 @@ TORCH_LIBRARY_IMPL(torchleaf, Meta, m) {
   m.impl("call_functional", &call_functional_meta);
   m.impl("forward_functional", &forward_functional_meta);
   m.impl("backward", &backward_meta);
+  m.impl("stack_handles", &stack_handles_meta);
 }
 
 namespace {

@@ -314,13 +314,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("named_leaves", &torchleaf::python::named_leaves,
         "[(id, 'ns::name', mutable positions)] for every C++ leaf with a named "
         "operator.");
-  m.def("stack_state_handles",
-        [](const std::vector<at::Tensor>& handles) { return stack_state_handles(handles); },
-        py::arg("handles"),
-        "One state handle of shape [N, *S] for N handles of shape S (handles "
-        "that torchleaf::forward returned, or views of stacked ones): element "
-        "i names the states of handles[i]. The batched state of a per-sample "
-        "loop under vmap.");
   m.def("live_states", &live_states,
         "Number of captured autograd states alive now.");
   m.def("get_validate_outputs", &Config::validate_outputs,

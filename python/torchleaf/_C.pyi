@@ -68,11 +68,6 @@ def direct_operator_entry(name: str, replaced: Callable[..., Any]) -> Callable[.
 def named_leaves() -> list[tuple[int, str, list[int]]]:
     """[(id, 'ns::name', mutable positions)] for every C++ leaf with a named operator."""
 
-def stack_state_handles(handles: list[torch.Tensor]) -> torch.Tensor:
-    """One state handle of shape [N, *S] for N handles of shape S: element i
-    names the states of handles[i] (the batched state of a per-sample loop
-    under vmap)."""
-
 def live_states() -> int:
     """Number of captured autograd states alive now."""
 

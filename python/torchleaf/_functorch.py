@@ -12,7 +12,7 @@ their batch dimension, the leaf runs once per sample (unbatched inputs as
 they are), and its outputs are stacked along dimension 0. Under a gradient
 inside the vmap (``vmap(grad(f))``, per-sample gradients) the loop runs
 ``torchleaf::forward`` per sample and returns one *stacked* state handle
-(``_C.stack_state_handles``) batched like the outputs, so the batching rule
+(``torchleaf::stack_handles``) batched like the outputs, so the batching rule
 of ``torchleaf::backward`` replays each sample's own captured graph.
 
 A Python leaf may replace the loop with its own rule
@@ -96,7 +96,9 @@ def _stack_handles(handles):
     h = handles[0]
     level = _functorch.maybe_get_level(h)
     if level == -1:
-        return _C.stack_state_handles(handles)
+        # An operator, so that a traced loop (vmap(grad(leaf)) under
+        # torch.compile) stacks the real handles at run time.
+        return torch.ops.torchleaf.stack_handles(handles)
     if _functorch.is_batchedtensor(h):
         inner = []
         for x in handles:

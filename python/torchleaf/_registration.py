@@ -232,6 +232,10 @@ def _fake_backward(leaf, state, grads, input_meta):
     return grads_out
 
 
+def _fake_stack_handles(handles):
+    return handles[0].new_empty((len(handles), *handles[0].shape))
+
+
 _registered_named = set()
 
 
@@ -254,6 +258,7 @@ def _register_ops():
     torch.library.register_fake("torchleaf::call_functional", _fake_call_functional)
     torch.library.register_fake("torchleaf::forward_functional", _fake_forward_functional)
     torch.library.register_fake("torchleaf::backward", _fake_backward)
+    torch.library.register_fake("torchleaf::stack_handles", _fake_stack_handles)
     # Operators that run user code are never dead code (FX and Inductor keep
     # impure operators). Python leaves' compiled calls are ordered by the
     # token they thread (_leaf._ORDER_TOKEN), a data dependency that costs

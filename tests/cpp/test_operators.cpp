@@ -99,6 +99,36 @@ TEST(Operators, StateHandlesAreChecked) {
   EXPECT_EQ(torchleaf::live_states(), 0);
 }
 
+// torchleaf::stack_handles: the batched state of a per-sample loop. Each
+// element (a view of the stacked handle) replays its own call's graph; the
+// states live as long as the stacked handle; anything else is an error.
+TEST(Operators, StackedHandlesReplayEachCall) {
+  auto leaf = square_leaf();
+  auto stack = c10::Dispatcher::singleton()
+                   .findSchemaOrThrow("torchleaf::stack_handles", "")
+                   .typed<at::Tensor(at::TensorList)>();
+  auto x0 = torch::randn({3});
+  auto x1 = torch::randn({3});
+  at::Tensor stacked;
+  {
+    auto [outs0, h0] = forward_op().call(leaf.id(), 0, {x0}, {0});
+    auto [outs1, h1] = forward_op().call(leaf.id(), 0, {x1}, {0});
+    stacked = stack.call({h0, h1});
+    EXPECT_THROW_WITH(stack.call({h0, torch::zeros({}, torch::kLong)}), "has no captured state");
+    EXPECT_THROW_WITH(stack.call({h0, stacked}), "expected state handles of shape");
+  }
+  EXPECT_EQ(stacked.sizes(), at::IntArrayRef({2}));
+  EXPECT_EQ(torchleaf::live_states(), 2); // held by the stacked handle alone
+  c10::List<std::optional<at::Tensor>> grads({torch::ones({3})});
+  EXPECT_TRUE(torch::allclose(backward_op().call(leaf.id(), stacked[1], grads, {})[0], 2 * x1));
+  EXPECT_TRUE(torch::allclose(backward_op().call(leaf.id(), stacked[0], grads, {})[0], 2 * x0));
+  auto meta = stack.call({torch::empty({}, torch::dtype(torch::kLong).device(torch::kMeta))});
+  EXPECT_EQ(meta.sizes(), at::IntArrayRef({1}));
+  EXPECT_TRUE(meta.is_meta());
+  stacked.reset();
+  EXPECT_EQ(torchleaf::live_states(), 0);
+}
+
 TEST(Operators, DifferentiableIndicesAreChecked) {
   auto leaf = square_leaf();
   auto x = torch::randn({3});

@@ -95,22 +95,29 @@ def test_grad_and_jacrev(leaf):
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_transforms_inside_a_compiled_function(leaf, backend):
-    """torch.func.grad, vjp and jacrev of a leaf, traced by Dynamo: the call's
-    order token came back wrapped at grad's level and was stored to a global,
-    a graph output AOTAutograd could not read ("Cannot access storage of
-    TensorWrapper")."""
-    _, f, _, _ = leaf
-    x = randn(5)
+    """torch.func.grad, vjp, jacrev and per-sample gradients of a leaf, traced
+    by Dynamo. The call's order token came back wrapped at grad's level and
+    was stored to a global, a graph output AOTAutograd could not read
+    ("Cannot access storage of TensorWrapper"); the per-sample loop stacked
+    its state handles outside any operator, which a trace cannot record
+    (stack_state_handles met fake handles)."""
+    _, f, g, g_body = leaf
+    x, w = randn(5), randn(3)
     programs = {
-        "grad": lambda f, x: grad(loss(f))(x),
-        "vjp": lambda f, x: torch.func.vjp(f, x)[1](torch.ones_like(x))[0],
-        "jacrev": lambda f, x: jacrev(f)(x),
+        "grad": lambda f, g, x: grad(loss(f))(x),
+        "vjp": lambda f, g, x: torch.func.vjp(f, x)[1](torch.ones_like(x))[0],
+        "jacrev": lambda f, g, x: jacrev(f)(x),
+        "vmap_grad": lambda f, g, x: vmap(grad(loss(f)))(x.view(5, 1) * x[:3]),
+        "vmap_grad_of_unbatched": lambda f, g, x: vmap(
+            grad(lambda w, x: g(x, w).pow(2).sum()), in_dims=(None, 0)
+        )(w, x.view(5, 1) * x[:3]),
     }
     for name, program in programs.items():
         torch._dynamo.reset()
-        compiled = torch.compile(lambda x: program(f, x), backend=backend, fullgraph=True)
-        torch.testing.assert_close(compiled(x), program(sin3, x), msg=name)
-    assert torchleaf.live_states() == 0
+        compiled = torch.compile(lambda x: program(f, g, x), backend=backend, fullgraph=True)
+        for _ in range(2):  # the graph reruns with the next call's states
+            torch.testing.assert_close(compiled(x), program(sin3, g_body, x), msg=name)
+            assert torchleaf.live_states() == 0
 
 
 def test_per_sample_gradients(leaf):
