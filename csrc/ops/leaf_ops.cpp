@@ -582,10 +582,18 @@ TORCH_LIBRARY(torchleaf, m) {
     m.def(schema, schema_tags);
   };
   def("call(int leaf, int plan, Tensor[] inputs) -> Tensor[]", tags);
+  // The capturing operators also say that they may draw random numbers
+  // (a dropout in the body): when compiled activation checkpointing
+  // recomputes one in backward, AOTAutograd then saves the generator's state
+  // before the forward's call and restores it around the recomputation
+  // (run_and_save_rng_state / run_with_rng_state), so that the replayed
+  // graph is the one whose outputs the forward returned.
+  auto capturing_tags = tags;
+  capturing_tags.push_back(at::Tag::nondeterministic_seeded);
   def(
       "forward(int leaf, int plan, Tensor[] inputs, int[] differentiable) "
       "-> (Tensor[], Tensor)",
-      tags);
+      capturing_tags);
   def(
       "call_mutating(int leaf, int plan, Tensor[] inputs, Tensor(a!)[] mutated) "
       "-> Tensor[]",
@@ -593,7 +601,7 @@ TORCH_LIBRARY(torchleaf, m) {
   def(
       "forward_mutating(int leaf, int plan, Tensor[] inputs, "
       "Tensor(a!)[] mutated, int[] differentiable) -> (Tensor[], Tensor)",
-      tags);
+      capturing_tags);
   def(
       "call_functional(int leaf, int plan, Tensor[] inputs, Tensor[] mutated) "
       "-> (Tensor[], Tensor[])",
@@ -601,7 +609,7 @@ TORCH_LIBRARY(torchleaf, m) {
   def(
       "forward_functional(int leaf, int plan, Tensor[] inputs, "
       "Tensor[] mutated, int[] differentiable) -> (Tensor[], Tensor, Tensor[])",
-      tags);
+      capturing_tags);
   // Inductor passes backward's gradients contiguous: a loss's gradient is
   // often an expand (stride 0), which a fused kernel then writes once,
   // where the replayed aten ops would each copy it for a dense operand (mm

@@ -47,7 +47,8 @@ namespace torchleaf::ops {
 // no longer reuses a capturing operator's input buffers, and every leaf
 // operator is tagged cudagraph_unsafe. 4: Inductor copies an input of a
 // capturing operator that a later node of the graph writes to;
-// torchleaf::stack_handles.)
+// torchleaf::stack_handles; the capturing operators are tagged
+// nondeterministic_seeded.)
 constexpr int64_t kOperatorSchemaVersion = 4;
 
 // Tags of every operator that runs a leaf's functions. cudagraph_unsafe:

@@ -105,23 +105,23 @@ def _install_inductor_lowerings():
     from torch._library.utils import get_layout_constraint_tag
 
     clone = lowering.lowerings[torch.ops.aten.clone.default]
-    for name in _CAPTURING_OPS:
-        op = getattr(torch.ops.torchleaf, name).default
-        if op not in lowering.lowerings:
-            # What GraphLowering.call_function makes for an operator without
-            # a lowering (an implicit fallback with its default layout
-            # constraint), made ahead of time so that it can be wrapped.
-            tag = get_layout_constraint_tag(op, with_default=True)
-            lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag))
-        fallback = lowering.lowerings[op]
+    capturing = {getattr(torch.ops.torchleaf, name).default for name in _CAPTURING_OPS}
+
+    def wrap(target, inputs_at, op_at=None):
+        """Wraps the lowering of `target`, whose argument `inputs_at` is a
+        capturing call's input list; with `op_at`, only where the argument
+        there (the operator a higher-order operator runs) is capturing."""
+        fallback = lowering.lowerings[target]
 
         @functools.wraps(fallback)
-        def keep_inputs(*args, _fallback=fallback, _op=op, **kwargs):
-            args = _copy_inputs_written_later(args, clone)
+        def keep_inputs(*args, **kwargs):
+            if op_at is not None and not (len(args) > op_at and args[op_at] in capturing):
+                return fallback(*args, **kwargs)
+            args = _copy_inputs_written_later(args, inputs_at, clone)
             first = len(V.graph.operations)
-            result = _fallback(*args, **kwargs)
+            result = fallback(*args, **kwargs)
             for operation in V.graph.operations[first:]:
-                if isinstance(operation, ir.FallbackKernel) and operation.op_overload is _op:
+                if isinstance(operation, ir.FallbackKernel):
                     for buffer in operation.inputs:
                         try:
                             V.graph.never_reuse_buffers.add(buffer.get_name())
@@ -129,7 +129,23 @@ def _install_inductor_lowerings():
                             pass  # not a buffer (a constant, an opaque object)
             return result
 
-        lowering.lowerings[op] = keep_inputs
+        lowering.lowerings[target] = keep_inputs
+
+    for op in capturing:
+        if op not in lowering.lowerings:
+            # What GraphLowering.call_function makes for an operator without
+            # a lowering (an implicit fallback with its default layout
+            # constraint), made ahead of time so that it can be wrapped.
+            tag = get_layout_constraint_tag(op, with_default=True)
+            lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag))
+        wrap(op, inputs_at=2)
+    # A call that compiled activation checkpointing recomputes runs inside
+    # these (the generator's state saved around the forward's call, restored
+    # around the recomputation): run_and_save_rng_state(op, leaf, plan,
+    # inputs, ...) and run_with_rng_state(state, op, leaf, plan, inputs, ...).
+    rng_prims = torch._prims.rng_prims
+    wrap(rng_prims.run_and_save_rng_state, inputs_at=3, op_at=0)
+    wrap(rng_prims.run_with_rng_state, inputs_at=4, op_at=1)
     _inductor_lowerings_installed = True
 
 
@@ -168,7 +184,7 @@ def _writes_of(graph):
     return known
 
 
-def _copy_inputs_written_later(args, clone):
+def _copy_inputs_written_later(args, inputs_at, clone):
     """The inputs of a capturing call, with a copy for each one that a later
     node of the graph writes to.
 
@@ -184,21 +200,21 @@ def _copy_inputs_written_later(args, clone):
     from torch._inductor.virtualized import V
 
     node = V.graph.current_node
-    if node is None or len(args) < 3 or len(node.args) < 3:
+    if node is None or len(args) <= inputs_at or len(node.args) <= inputs_at:
         return args
     positions, last_write = _writes_of(V.graph)
     here = positions.get(node)
     if here is None or not last_write:
         return args
-    inputs = list(args[2])
+    inputs = list(args[inputs_at])
     copied = False
-    for k, input_node in enumerate(node.args[2]):
+    for k, input_node in enumerate(node.args[inputs_at]):
         if last_write.get(_storage_of(input_node), -1) > here:
             inputs[k] = clone(inputs[k])
             copied = True
     if not copied:
         return args
-    return (*args[:2], inputs, *args[3:])
+    return (*args[:inputs_at], inputs, *args[inputs_at + 1 :])
 
 
 def _malformed_meta(leaf, input_meta, at, what):
@@ -277,7 +293,37 @@ def _register_ops():
     # Batching rules (torch.func.vmap): a per-sample loop, or a Python leaf's
     # own rule (LeafFunction.register_vmap).
     _functorch.register_rules()
+    _let_rng_state_wrappers_find_listed_tensors()
     sync_cpp_leaves()
+
+
+def _let_rng_state_wrappers_find_listed_tensors():
+    """The capturing operators are tagged nondeterministic_seeded, so that
+    AOTAutograd runs a call that activation checkpointing recomputes under
+    ``run_and_save_rng_state`` in forward and ``run_with_rng_state`` in
+    backward: the recomputation draws the forward's random numbers. Those
+    wrappers pick the generator (CPU, CUDA, ...) by the device of the first
+    top-level tensor argument (``rng_prims.get_device``), and the capturing
+    operators pass their tensors in a list: the wrappers raised "Backend not
+    supported for None". This looks in list arguments where the original
+    finds nothing (private, listed in docs/design.md)."""
+    rng_prims = torch._prims.rng_prims
+    original = rng_prims.get_device
+    if getattr(original, "_torchleaf", False):
+        return
+
+    def get_device(args, kwargs):
+        device = original(args, kwargs)
+        if device is None:
+            for arg in args:
+                if isinstance(arg, (list, tuple)):
+                    for t in arg:
+                        if isinstance(t, torch.Tensor):
+                            return t.device.type
+        return device
+
+    get_device._torchleaf = True
+    rng_prims.get_device = get_device
 
 
 def named_op(name):

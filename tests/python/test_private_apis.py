@@ -266,3 +266,29 @@ def test_inductor_lowers_capturing_operators_through_the_wrapped_fallback():
     assert torch.ops.torchleaf.forward.default in lowering.lowerings
     assert "torch.ops.torchleaf.forward.default" in forward_code
     assert "# reuse" not in forward_code, forward_code
+
+
+def test_rng_state_wrappers_find_a_capturing_operators_device():
+    """Compiled activation checkpointing wraps a recomputed operator tagged
+    nondeterministic_seeded in run_and_save_rng_state / run_with_rng_state,
+    which pick the generator with rng_prims.get_device (a module global their
+    backend-select kernels look up when called); torchleaf wraps it to look
+    in list arguments (_registration._let_rng_state_wrappers_find_listed_tensors),
+    and Inductor's lowerings of both wrappers."""
+    from torch._inductor import lowering
+    from torch._prims import rng_prims
+
+    from torchleaf import _registration
+
+    for name in ("forward", "forward_mutating", "forward_functional"):
+        assert torch.Tag.nondeterministic_seeded in getattr(torch.ops.torchleaf, name).default.tags
+    assert getattr(rng_prims.get_device, "_torchleaf", False)
+    x = torch.ones(2)
+    assert rng_prims.get_device((1, 2, [x], [0]), {}) == "cpu"
+    assert rng_prims.get_device((x,), {}) == "cpu"
+    source = inspect.getsource(rng_prims)
+    assert source.count("device = get_device(args, kwargs)") >= 2
+    assert rng_prims.run_and_save_rng_state in lowering.lowerings
+    assert rng_prims.run_with_rng_state in lowering.lowerings
+    _registration._keep_captured_inputs_in_inductor()
+    assert _registration._inductor_lowerings_installed

@@ -123,6 +123,56 @@ def test_activation_checkpointing(backend, selective):
     assert torchleaf.live_states() == 0
 
 
+@pytest.mark.parametrize("selective", [False, True])
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+def test_checkpointing_recomputes_a_random_body_with_the_forwards_numbers(backend, selective):
+    """A body with dropout, recomputed by activation checkpointing in
+    backward: the recomputation must draw the forward's random numbers, or
+    the replayed graph is not the one whose outputs the forward returned
+    (wrong gradients, silently). Eager checkpointing restores the generator;
+    compiled, AOTAutograd does so around operators tagged
+    nondeterministic_seeded (run_and_save_rng_state), whose device lookup
+    missed the capturing operators' listed tensors. The gradients are checked
+    against the mask the forward's output shows; the Inductor variant also
+    checks that the recomputed call's input buffer is kept (the wrapped rng
+    lowerings)."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    torch._dynamo.reset()
+    calls = []
+
+    @torchleaf.leaf_function
+    def drop(h):
+        calls.append(1)
+        return torch.nn.functional.dropout(h.sin(), 0.5, training=True)
+
+    drop.register_fake(torch.empty_like)
+    options = {"use_reentrant": False}
+    if selective:
+        options["context_fn"] = functools.partial(
+            create_selective_checkpoint_contexts, lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE
+        )
+
+    def program(x, w):
+        out = checkpoint(lambda x, w: drop(x @ w) * 2, x, w, **options)
+        return out, out.sum()
+
+    run = program if backend is None else torch.compile(program, backend=backend, fullgraph=True)
+    x = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    for _ in range(2):
+        calls.clear()
+        out, loss = run(x, w)
+        gx, gw = torch.autograd.grad(loss, (x, w))
+        kept = (out != 0).to(torch.float64)  # dropout's mask in the forward
+        assert 0 < kept.sum() < kept.numel()
+        dh = kept * 4 * (x @ w).cos()  # d(2 * dropout(sin(h)) / 0.5)/dh
+        torch.testing.assert_close(gx, dh @ w.detach().T)
+        torch.testing.assert_close(gw, x.detach().T @ dh)
+        assert len(calls) == (3 if selective and backend is None else 2)
+    assert torchleaf.live_states() == 0
+
+
 @pytest.mark.parametrize("backend", COMPILED)
 @pytest.mark.parametrize("inner_backend", ["aot_eager", "inductor"])
 def test_body_calls_a_compiled_function(backend, inner_backend):
