@@ -697,18 +697,28 @@ def _invoke(leaf, fn, plan, tensors, arguments, fake):
     for module, structure, own, kind in bindings:
         view = next((v for m, v in checked if m is module), None)
         binders.append(_Binder(module, structure, own, kind, view))
-    entered = []
-    try:
-        for binder in binders:
-            binder.enter()
-            entered.append(binder)
-        out = fn(*args, **kwargs)
-    finally:
-        while entered:
-            entered.pop().exit()
+    # The call's tensors are the modules' while the function runs: no other
+    # thread's call may read or swap them meanwhile (it would take this
+    # call's aliases as the module's tensors, and restore them in place of
+    # the originals). Reentrant: a leaf may call a leaf.
+    with _MODULE_CALLS_LOCK:
+        entered = []
+        try:
+            for binder in binders:
+                binder.enter()
+                entered.append(binder)
+            out = fn(*args, **kwargs)
+        finally:
+            while entered:
+                entered.pop().exit()
     for binder in binders:
         binder.check(leaf)
     return out
+
+
+# Held by a call with module arguments from reading the modules' tensors
+# until its function has run and the tensors are back (_invoke).
+_MODULE_CALLS_LOCK = threading.RLock()
 
 
 class _Binder:
@@ -1568,6 +1578,13 @@ class LeafFunction:
                     return outputs[0]
                 return _decode(desc if desc is not None else plan.out, outputs)
         flat, spec = pytree.tree_flatten((args, kwargs))
+        for x in flat:
+            if isinstance(x, nn.Module):
+                with _MODULE_CALLS_LOCK:
+                    return self._call_flat(flat, spec)
+        return self._call_flat(flat, spec)
+
+    def _call_flat(self, flat, spec):
         tensors = [x for x in flat if isinstance(x, _Tensor)]
         if not _tracing_active(tensors):
             plan, inputs, mutated, arguments = self._plan_for(flat, spec, traced=False)

@@ -1,5 +1,7 @@
 """4 threads x 1,000 forward+backward calls of one leaf, eagerly and through
-a compiled program: results checked, no deadlock, no state left behind."""
+a compiled program: results checked, no deadlock, no state left behind. And
+threads sharing one module argument, whose tensors a call swaps for its own
+while its function runs."""
 
 import threading
 
@@ -61,3 +63,44 @@ def test_threads_compiled():
     compiled = torch.compile(lambda x, w: leaf(x, w) + 0, backend="aot_eager", fullgraph=True)
     compiled(torch.randn(16), torch.randn(16, requires_grad=True))  # compile once, up front
     _hammer(compiled)
+
+
+def test_threads_sharing_a_module_argument():
+    """Two threads calling a leaf with the same module: a call swaps the
+    module's parameters for its own tensors while its function runs. Without
+    a lock, a call that started meanwhile took the other call's tensors for
+    the module's, raised "replaced 'weight'" and restored them in place of
+    the Parameters: the model was left with plain tensors, untrainable."""
+    model = torch.nn.Linear(16, 16, dtype=torch.float64)
+    weight = model.weight
+    leaf = torchleaf.leaf_function(lambda x, m: m(x).tanh())
+    inputs = [torch.randn(4, 16, dtype=torch.float64) for _ in range(2)]
+    calls = 300
+    errors = []
+    barrier = threading.Barrier(2)
+
+    def worker(x):
+        try:
+            barrier.wait()
+            for k in range(calls):
+                if k % 2:
+                    with torch.no_grad():
+                        torch.testing.assert_close(leaf(x, model), model(x).tanh())
+                else:
+                    leaf(x, model).sum().backward()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(x,)) for x in inputs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "deadlock: a worker did not finish"
+    assert not errors, errors[0]
+    assert model.weight is weight and type(model.weight) is torch.nn.Parameter
+    expected = torch.zeros_like(weight)
+    for x in inputs:
+        expected += torch.autograd.grad(model(x).tanh().sum(), weight)[0] * (calls // 2)
+    torch.testing.assert_close(weight.grad, expected)
+    assert torchleaf.live_states() == 0
