@@ -174,16 +174,25 @@ at::Tensor sink_alias(
   return alias;
 }
 
-// Re-enables autograd for user code that runs inside a kernel below the
-// Autograd key, as the caller of the leaf had it.
-struct AutogradKeysGuard {
-  explicit AutogradKeysGuard(bool enable)
-      : guard_(enabled_keys(enable)) {}
+// The dispatch keys of user code that runs inside a kernel (the body, a
+// replayed graph), as code outside any kernel has them. A kernel below the
+// Autograd key runs with the autograd keys excluded: re-enabled when
+// `autograd`, as the caller of the leaf had it. A kernel reached from a
+// TorchDispatchMode's handler (a user's mode, FlopCounterMode, AOTAutograd's
+// runtime check of custom operators) runs with every key above Python
+// excluded, the conjugate, negative and zero-tensor fallbacks among them:
+// without those, `z.conj() * 1j` in the body reads z's unconjugated data.
+struct UserCodeKeysGuard {
+  explicit UserCodeKeysGuard(bool autograd)
+      : guard_(enabled_keys(autograd)) {}
 
  private:
-  static c10::impl::LocalDispatchKeySet enabled_keys(bool enable) {
+  static c10::impl::LocalDispatchKeySet enabled_keys(bool autograd) {
+    constexpr auto view_fallbacks = c10::DispatchKeySet(
+        {c10::DispatchKey::Conjugate, c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor});
     auto keys = c10::impl::tls_local_dispatch_key_set();
-    if (enable) {
+    keys.excluded_ = keys.excluded_ - view_fallbacks;
+    if (autograd) {
       keys.excluded_ =
           keys.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;
     }
@@ -561,7 +570,7 @@ TensorList run_real(
     state->entry = entry.shared_from_this();
   }
 
-  AutogradKeysGuard keys(capture || !c10::InferenceMode::is_enabled());
+  UserCodeKeysGuard keys(capture || !c10::InferenceMode::is_enabled());
   std::optional<at::AutoGradMode> grad_mode;
   if (capture) {
     grad_mode.emplace(true);
@@ -932,7 +941,7 @@ TensorList replay(
     // may record: activation checkpointing recomputes a region when a node
     // unpacks a saved tensor, and that recomputation (a leaf call in it
     // included) must record as the forward did.
-    AutogradKeysGuard keys(!c10::InferenceMode::is_enabled());
+    UserCodeKeysGuard keys(!c10::InferenceMode::is_enabled());
     try {
       auto inline_results = replay_inline(state, roots, root_grads);
       if (inline_results) {

@@ -33,6 +33,28 @@ TEST(Leaf, EagerCallMatchesBodyAndRunsOnce) {
   EXPECT_EQ(real_calls, 2);
 }
 
+// A kernel reached from a TorchDispatchMode's handler runs with the
+// conjugate and negative fallbacks excluded; the body must not: z.conj()
+// is a lazy view, and `* i` must read it conjugated.
+TEST(Leaf, BodyRunsWithTheConjugateFallbackWhereverTheCallComesFrom) {
+  auto leaf = torchleaf::define_leaf(
+      unique_name("conj"),
+      [](const TensorList& in) {
+        auto z = at::complex(in[0], in[0].flip(0));
+        return TensorList{at::real(z.conj() * c10::complex<double>(0, 1))};
+      },
+      [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; });
+  auto x = torch::tensor({1.0, 2.0}, torch::kFloat64);
+  const auto expected = torch::tensor({2.0, 1.0}, torch::kFloat64);
+  EXPECT_TRUE(torch::equal(leaf({x})[0], expected));
+  {
+    c10::impl::ExcludeDispatchKeyGuard handler(c10::DispatchKeySet(
+        {c10::DispatchKey::Conjugate, c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor}));
+    EXPECT_TRUE(torch::equal(leaf({x})[0], expected));
+    EXPECT_TRUE(torch::equal(leaf({x.requires_grad_()})[0], expected));
+  }
+}
+
 TEST(Leaf, IsANamedOperator) {
   const auto name = unique_name("named");
   auto leaf = torchleaf::define_leaf(

@@ -687,3 +687,34 @@ def test_tuple_outputs_without_constants_match_the_plain_function(backend):
         g = torch.autograd.grad(loss, x)[0]
         e = torch.autograd.grad(expected[0].sum() + expected[1][0].sum() + expected[1][1][0].sum(), x)[0]
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("where", ["dispatch_mode", "aot_eager", "inductor"])
+def test_conjugate_and_negative_views_in_the_body(where):
+    """A TorchDispatchMode's handler (a user's mode, FlopCounterMode,
+    AOTAutograd's runtime check of custom operators, active on every compiled
+    call with grad) runs kernels with the conjugate and negative fallbacks
+    excluded: the body's `z.conj() * 1j` read z unconjugated and returned
+    [-2, -1] for [2, 1], silently."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def body(x):
+        z = torch.complex(x, x.flip(0))
+        return (z.conj() * 1j).real * (-z).imag.neg()
+
+    torch._dynamo.reset()
+    leaf = torchleaf.leaf_function(body)
+    leaf.register_fake(torch.empty_like)
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    if where == "dispatch_mode":
+        with Passthrough():
+            got = leaf(x)
+    else:
+        got = torch.compile(leaf, backend=where, fullgraph=True)(x)
+    expected = body(x)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), x), torch.autograd.grad(expected.sum(), x))
