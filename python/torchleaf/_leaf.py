@@ -1573,10 +1573,17 @@ class LeafFunction:
                     plan = self._positional[len(args)] = self._plan_from_key(
                         spec, (_TENSOR,) * len(args), _EAGER
                     )
-                outputs, desc = _C.call(self._id, plan.index, args, (), None)
-                if desc is _SINGLE:
-                    return outputs[0]
-                return _decode(desc if desc is not None else plan.out, outputs)
+                # `()` for arguments: the runner gets the real output
+                # description back (None would mean "through the operator",
+                # whose outputs carry the traced constants), and a call that
+                # must go through the operator (a dispatch mode, a functorch
+                # transform) returns None and takes the general path.
+                result = _C.call(self._id, plan.index, args, (), ())
+                if result is not None:
+                    outputs, desc = result
+                    if desc is _SINGLE:
+                        return outputs[0]
+                    return _decode(desc, outputs)
         flat, spec = pytree.tree_flatten((args, kwargs))
         for x in flat:
             if isinstance(x, nn.Module):
