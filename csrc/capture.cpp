@@ -525,6 +525,21 @@ void validate_outputs(
 
 } // namespace
 
+void copy_aliased_outputs(TensorList& outputs, const TensorList& inputs) {
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    bool aliased = false;
+    for (const auto& t : inputs) {
+      aliased = aliased || outputs[i].is_alias_of(t);
+    }
+    for (size_t j = 0; j < i; ++j) {
+      aliased = aliased || outputs[i].is_alias_of(outputs[j]);
+    }
+    if (aliased) {
+      outputs[i] = outputs[i].clone();
+    }
+  }
+}
+
 TensorList run_fake(const LeafEntry& entry, const TensorList& inputs, CallSite& site) {
   TORCHLEAF_CHECK(
       static_cast<bool>(entry.fake),
@@ -635,19 +650,7 @@ TensorList run_real(
     validate_outputs(entry, inner, outputs, site);
   }
 
-  // An operator's outputs may not alias its inputs or each other.
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    bool aliased = false;
-    for (const auto& t : inner) {
-      aliased = aliased || outputs[i].is_alias_of(t);
-    }
-    for (size_t j = 0; j < i; ++j) {
-      aliased = aliased || outputs[i].is_alias_of(outputs[j]);
-    }
-    if (aliased) {
-      outputs[i] = outputs[i].clone();
-    }
-  }
+  copy_aliased_outputs(outputs, inner);
 
   if (capture) {
     state->output_edges.reserve(outputs.size());

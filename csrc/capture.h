@@ -54,6 +54,13 @@ TensorList run_real(
 // Runs `entry`'s fake function, or fails with "requires a fake implementation".
 TensorList run_fake(const LeafEntry& entry, const TensorList& inputs, CallSite& site);
 
+// Replaces each output that aliases an input or an earlier output by a copy:
+// an operator's outputs are its own. Real calls (run_real) and fake ones
+// (call_fake: a fake that returns one tensor twice, `(torch.empty_like(x),)
+// * 3`, would tell a graph that the outputs share memory, and it would read
+// one output's values for another) alike.
+void copy_aliased_outputs(TensorList& outputs, const TensorList& inputs);
+
 // Backpropagates `grads` (one per output; nullopt/undefined: no gradient)
 // through `state`'s graph and returns one gradient per captured input, zeros
 // where nothing flows. Never frees the graph.

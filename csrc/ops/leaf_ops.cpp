@@ -274,6 +274,7 @@ TensorList call_fake(
     bool strides_relied_on) {
   auto flat = merge_inputs(entry, inputs, mutated);
   auto outputs = run_fake(entry, flat.tensors, site);
+  copy_aliased_outputs(outputs, flat.tensors);
   // Every fake kernel comes here when a graph is traced: what the graph will
   // assume about this call's outputs, checked on every real call (run_real).
   entry.fake_outputs.record(site.plan, flat.tensors, outputs, strides_relied_on);

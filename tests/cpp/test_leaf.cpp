@@ -98,6 +98,23 @@ TEST(Leaf, MetaTensorsRunTheFakeNeverTheReal) {
   EXPECT_EQ(fake_calls, 2);
 }
 
+// A fake that returns one tensor twice, or an input: the traced outputs
+// must be the operator's own, as the real ones are.
+TEST(Leaf, FakeOutputsNeverAliasInputsOrEachOther) {
+  auto leaf = torchleaf::define_leaf(
+      unique_name("aliasing_fake"),
+      [](const TensorList& in) { return TensorList{in[0].sin(), in[0].cos(), in[0].exp()}; },
+      [](const TensorList& in) {
+        auto t = at::empty_like(in[0]);
+        return TensorList{t, t, in[0]};
+      });
+  auto x = torch::empty({3}, torch::device(torch::kMeta));
+  auto out = leaf({x});
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_FALSE(out[1].is_alias_of(out[0]));
+  EXPECT_FALSE(out[2].is_alias_of(x));
+}
+
 TEST(Leaf, MissingFakeIsAClearErrorOnlyWhenNeeded) {
   const auto name = unique_name("nofake");
   auto leaf = torchleaf::define_leaf(

@@ -718,3 +718,43 @@ def test_conjugate_and_negative_views_in_the_body(where):
     expected = body(x)
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(torch.autograd.grad(got.sum(), x), torch.autograd.grad(expected.sum(), x))
+
+
+def test_eager_non_tensor_outputs_may_change_between_calls():
+    """A tensors-only positional call (the eager fast path) checked its real
+    output description against the first call's, as if a graph had traced
+    it: the second call with another int, dtype or structure raised "a
+    compiled graph can only return the traced constant", and the leaf stayed
+    broken for every call that differed from the first."""
+
+    def body(x):
+        if x.sum() > 0:
+            return x * 2, int(x.sum() > 0), x.dtype
+        return (x * 2, 0, x.dtype, "negative")
+
+    leaf = torchleaf.leaf_function(body)
+    for x in (torch.ones(3), -torch.ones(3), torch.ones(3, dtype=torch.float64), torch.ones(3)):
+        got, expected = leaf(x), body(x)
+        assert len(got) == len(expected)
+        torch.testing.assert_close(got[0], expected[0])
+        assert got[1:] == expected[1:]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_fake_returning_one_tensor_for_several_outputs(backend):
+    """`(torch.empty_like(x),) * 3` told the graph that the three outputs
+    share memory: the compiled program returned exp(x) for cos(x), silently
+    (validate_outputs compares shapes, not identities). Fake outputs that
+    alias each other or an input are copies now, as real ones are."""
+    torch._dynamo.reset()
+
+    def body(x):
+        return x.sin(), x.cos(), x.exp()
+
+    leaf = torchleaf.leaf_function(body)
+    leaf.register_fake(lambda x: (torch.empty_like(x),) * 3)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    got = torch.compile(lambda x: leaf(x)[1] * 2 + leaf(x)[2], backend=backend, fullgraph=True)(x)
+    expected = body(x)[1] * 2 + body(x)[2]
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), x), torch.autograd.grad(expected.sum(), x))
