@@ -449,8 +449,12 @@ void walk_captured_graph(
     }
     ss << "Gradients cannot flow back to closure-captured or global tensors. "
           "Pass them as arguments (or inside an nn.Module argument), or "
-          "detach them; to skip this check set "
-          "torchleaf.config.check_escaped_gradients = False (C++: "
+          "detach them. A leaf tensor made inside the function (such as "
+          "x.detach().requires_grad_() for torch.autograd.grad) is reported "
+          "too: its gradient would only reach its .grad, which nothing outside "
+          "the call sees. To drop such gradients knowingly, turn this check "
+          "off for the leaf: @leaf_function(check_escaped_gradients=False), "
+          "or torchleaf.config.check_escaped_gradients = False for all (C++: "
           "LeafOptions::check_escaped).";
     detail::throw_leaf_error(entry.name, ss.str());
   }

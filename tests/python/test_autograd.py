@@ -345,6 +345,31 @@ def test_state_is_released_with_the_graph_even_without_backward():
         assert growth < 8 * 1024, f"resident memory grew by {growth} KiB over {n} calls"
 
 
+def test_a_leaf_tensor_made_inside_for_autograd_grad():
+    """Forces as a leaf: the body makes its own leaf tensor to differentiate
+    an energy with create_graph=True and returns the forces, whose backward
+    reaches w. That leaf tensor is reported as escaped (it cannot be told
+    from a closure's); the message says so and how to drop its gradient, and
+    with the check off the gradients are the undecorated function's."""
+
+    def forces(x, w):
+        p = x.detach().requires_grad_()
+        energy = (w * p.sin()).sum()
+        (grad,) = torch.autograd.grad(energy, p, create_graph=True)
+        return -grad
+
+    x = torch.randn(5, dtype=torch.float64)
+    w = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    strict = torchleaf.leaf_function(forces)
+    with pytest.raises(LeafFunctionError, match=r"leaf tensor made inside the function") as info:
+        strict(x, w)
+    assert "check_escaped_gradients=False" in str(info.value)
+    leaf = torchleaf.leaf_function(check_escaped_gradients=False)(forces)
+    got = torch.autograd.grad(leaf(x, w).pow(2).sum(), w)
+    torch.testing.assert_close(got, torch.autograd.grad(forces(x, w).pow(2).sum(), w))
+    assert torchleaf.live_states() == 0
+
+
 def test_escaped_gradients_are_counted_or_ignored():
     w = torch.randn(3, requires_grad=True)
     b = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
