@@ -530,13 +530,18 @@ void validate_outputs(
 } // namespace
 
 void copy_aliased_outputs(TensorList& outputs, const TensorList& inputs) {
+  // is_alias_of compares storages; sparse tensors have none (their indices
+  // and values are tensors of their own), and count as not aliased.
+  auto aliases = [](const at::Tensor& a, const at::Tensor& b) {
+    return a.has_storage() && b.has_storage() && a.is_alias_of(b);
+  };
   for (size_t i = 0; i < outputs.size(); ++i) {
     bool aliased = false;
     for (const auto& t : inputs) {
-      aliased = aliased || outputs[i].is_alias_of(t);
+      aliased = aliased || aliases(outputs[i], t);
     }
     for (size_t j = 0; j < i; ++j) {
-      aliased = aliased || outputs[i].is_alias_of(outputs[j]);
+      aliased = aliased || aliases(outputs[i], outputs[j]);
     }
     if (aliased) {
       outputs[i] = outputs[i].clone();

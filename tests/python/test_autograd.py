@@ -549,3 +549,30 @@ def test_compiled_backward_paths_agree():
     torch.testing.assert_close(restricted, want)
     with torch.autograd.detect_anomaly():
         torch.testing.assert_close(torch.autograd.grad(loss(compiled), (x, w)), want)
+
+
+def test_sparse_inputs_and_outputs():
+    """Sparse tensors have no storage: the output aliasing check asked for
+    one and raised "Cannot access storage of SparseTensorImpl" after the
+    body had run, naming no leaf."""
+
+    def spmm(x, y):
+        return torch.sparse.mm(x, y) * 2
+
+    leaf = torchleaf.leaf_function(spmm)
+    x = torch.randn(3, 3, dtype=torch.float64).to_sparse().requires_grad_()
+    y = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad(spmm(x, y).sum(), (x, y))
+    got = torch.autograd.grad(leaf(x, y).sum(), (x, y))
+    assert got[0].layout == torch.sparse_coo
+    torch.testing.assert_close(got[0].to_dense(), expected[0].to_dense())
+    torch.testing.assert_close(got[1], expected[1])
+
+    sparsify = torchleaf.leaf_function(lambda d: (d * 3).to_sparse())
+    d = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    out = sparsify(d)
+    assert out.layout == torch.sparse_coo
+    torch.testing.assert_close(out.to_dense(), d.detach() * 3)
+    (grad,) = torch.autograd.grad(torch.sparse.sum(out), d)
+    torch.testing.assert_close(grad, torch.full_like(d, 3.0))
+    assert torchleaf.live_states() == 0
