@@ -50,6 +50,10 @@ void note_python_error(const std::string& note) {
       return;
     }
     py::gil_scoped_acquire gil;
+    // Python's error indicator may be set too (an engine that ran the
+    // failing node restored it): calling Python with it set fails, so it is
+    // put aside while the note is added, and restored after.
+    py::error_scope pending;
     PyErr_NormalizeException(&e.type, &e.value, &e.traceback);
     try {
       py::module_::import("torchleaf._leaf").attr("_add_note")(py::handle(e.value), note);

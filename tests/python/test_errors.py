@@ -288,4 +288,17 @@ def test_exceptions_in_fake_and_backward_keep_their_type():
         gc.collect()
         assert any("raised inside the backward of leaf function 'test_errors." in n for n in notes), notes
         assert torchleaf.live_states() == 0
+    # So does torch.func's (a nested engine run, which leaves Python's error
+    # indicator set: the note was dropped silently).
+    for transform in (
+        lambda: torch.func.grad(lambda x: fragile(x).sum())(x.detach()),
+        lambda: torch.func.vjp(fragile, x.detach())[1](torch.ones(2)),
+    ):
+        with pytest.raises(BackwardBroke, match="cannot differentiate") as info:
+            transform()
+        notes = info.value.__notes__
+        del info
+        gc.collect()
+        assert any("raised inside the backward of leaf function 'test_errors." in n for n in notes), notes
+        assert torchleaf.live_states() == 0
     still_usable()
