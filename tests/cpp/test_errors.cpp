@@ -140,6 +140,10 @@ TEST(Errors, DeclaredArityCountsMutableInputs) {
   EXPECT_EQ(buf.item<float>(), 0.0f);
   EXPECT_TRUE(torch::allclose(leaf({x, buf, x})[0], torch::full({2}, 2.0)));
   EXPECT_EQ(buf.item<float>(), 1.0f);
+  // A mutable input that requires grad is named by its input position.
+  auto wants_grad = torch::zeros({1}, torch::requires_grad());
+  EXPECT_THROW_WITH(leaf({x, wants_grad, x}), "declares input 1 mutable but it requires grad");
+  EXPECT_EQ(buf.item<float>(), 1.0f);
 }
 
 TEST(Errors, MalformedArityOrMutablePositionsAtDefinition) {

@@ -302,3 +302,18 @@ def test_exceptions_in_fake_and_backward_keep_their_type():
         assert any("raised inside the backward of leaf function 'test_errors." in n for n in notes), notes
         assert torchleaf.live_states() == 0
     still_usable()
+
+
+def test_a_mutable_argument_that_requires_grad_is_named_by_its_place():
+    """The message gave the tensor's index among the mutable ones as "mutable
+    input 0" for the third argument."""
+
+    @torchleaf.leaf_function(mutates_args={"buf"})
+    def step(x, y, buf):
+        buf.add_(1)
+        return x + y
+
+    x = torch.ones(3)
+    with pytest.raises(LeafFunctionError, match=r"received tensor 0 of its mutates_args arguments but it requires grad"):
+        step(x, x, torch.zeros(3, requires_grad=True))
+    assert torchleaf.live_states() == 0

@@ -492,12 +492,16 @@ std::optional<TensorList> call_autograd(
         differentiable.push_back(static_cast<int64_t>(i));
       }
     }
+    const auto& declared = entry.options.mutates_inputs;
     for (size_t i = 0; i < mutated.size(); ++i) {
+      // C++ leaves declare input positions; a Python leaf's mutated tensors
+      // are those of its mutates_args arguments, in argument order.
       TORCHLEAF_CHECK(
           !mutated[i].requires_grad(),
           entry.name,
-          "declares mutable input ",
-          i,
+          i < declared.size()
+              ? c10::str("declares input ", declared[i], " mutable")
+              : c10::str("received tensor ", i, " of its mutates_args arguments"),
           " but it requires grad; in-place mutation of differentiable inputs "
           "is not supported. Pass a tensor that does not require grad (e.g. a "
           "buffer) or return the new value instead.");
