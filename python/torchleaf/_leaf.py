@@ -721,6 +721,16 @@ def _invoke(leaf, fn, plan, tensors, arguments, fake):
 _MODULE_CALLS_LOCK = threading.RLock()
 
 
+def _new_module_calls_lock():
+    # A child forked while another thread held the lock (a fork DataLoader
+    # worker, multiprocessing) would wait forever for a thread it lacks.
+    global _MODULE_CALLS_LOCK
+    _MODULE_CALLS_LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_module_calls_lock)
+
+
 class _Binder:
     """Runs the function with one module's parameters and buffers replaced by
     the call's tensors: written straight into the dicts that hold them (the

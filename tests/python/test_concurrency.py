@@ -44,14 +44,19 @@ def _hammer(fn):
         except BaseException as e:  # reported below, with the thread's seed
             errors.append((seed, e))
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(THREADS)]
+    _run_threads(worker, range(THREADS), errors)
+    assert torchleaf.live_states() == 0
+
+
+def _run_threads(worker, args, errors):
+    """Runs worker(arg) on a thread per arg; fails on a hang or an error."""
+    threads = [threading.Thread(target=worker, args=(arg,)) for arg in args]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
     assert not any(t.is_alive() for t in threads), "deadlock: a worker did not finish"
     assert not errors, errors[0]
-    assert torchleaf.live_states() == 0
 
 
 def test_threads_eager():
@@ -91,16 +96,48 @@ def test_threads_sharing_a_module_argument():
         except BaseException as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(x,)) for x in inputs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads), "deadlock: a worker did not finish"
-    assert not errors, errors[0]
+    _run_threads(worker, inputs, errors)
     assert model.weight is weight and type(model.weight) is torch.nn.Parameter
     expected = torch.zeros_like(weight)
     for x in inputs:
         expected += torch.autograd.grad(model(x).tanh().sum(), weight)[0] * (calls // 2)
     torch.testing.assert_close(weight.grad, expected)
     assert torchleaf.live_states() == 0
+
+
+def _call_in_child(queue):
+    leaf = torchleaf.leaf_function(lambda x, m: m(x))
+    queue.put(tuple(leaf(torch.ones(2, 3), torch.nn.Linear(3, 3)).shape))
+
+
+def test_a_child_forked_during_a_module_call_can_call_leaves():
+    """The module-call lock, held by another thread when the process forks (a
+    fork DataLoader worker), was inherited held by a thread the child lacks:
+    the child's first leaf call with a module waited forever."""
+    import multiprocessing
+
+    entered, release = threading.Event(), threading.Event()
+
+    def waits(x, m):
+        entered.set()
+        release.wait(timeout=60)
+        return m(x)
+
+    leaf = torchleaf.leaf_function(waits)
+    holder = threading.Thread(target=leaf, args=(torch.ones(2, 3), torch.nn.Linear(3, 3)))
+    holder.start()
+    try:
+        assert entered.wait(timeout=60)
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        child = context.Process(target=_call_in_child, args=(queue,))
+        child.start()
+        child.join(timeout=60)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+        assert not alive, "the forked child hung on the module-call lock"
+        assert child.exitcode == 0 and queue.get(timeout=10) == (2, 3)
+    finally:
+        release.set()
+        holder.join(timeout=60)
