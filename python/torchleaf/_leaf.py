@@ -447,10 +447,19 @@ def _check_fake_constants(leaf, desc):
             )
 
 
-def _check_graph_constants(leaf, traced, real):
+def _check_graph_constants(leaf, traced, real, from_real=False):
     """A graph returns the constants its fake returned when it was traced; a
-    real call that returns other values would be silently wrong."""
+    real call that returns other values would be silently wrong. So does a
+    call through the operator that no fake described (a dispatch mode, a
+    torch.func transform): its caller gets the first such call's constants."""
     for (path, fake_value), (_, real_value) in zip(_constants(traced), _constants(real)):
+        if (type(fake_value) is not type(real_value) or fake_value != real_value) and from_real:
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{leaf._name}' returned {real_value!r} at {path}, but "
+                f"{fake_value!r} there on its first call of this structure through the operator (under "
+                f"a dispatch mode or a torch.func transform), whose outputs carry tensors only: the "
+                f"caller gets the first call's non-tensor outputs. Return the value as a tensor."
+            )
         if type(fake_value) is not type(real_value) or fake_value != real_value:
             raise LeafFunctionError(
                 f"torchleaf: leaf function '{leaf._name}' returned {real_value!r} at {path}, but "
@@ -544,7 +553,7 @@ class _Plan:
 
     __slots__ = (
         "index", "spec", "template", "slots", "mutated", "ordered", "positional", "out",
-        "out_plain", "autocast", "out_dtypes",
+        "out_plain", "out_from_real", "autocast", "out_dtypes",
     )
 
     def __init__(self, index, spec, template, slots, mutated, mode, positional, autocast=None):
@@ -559,6 +568,7 @@ class _Plan:
         self.positional = positional  # tensors only, by position: call fn(*tensors)
         self.out = None  # the fake's output description, once traced
         self.out_plain = False  # whether `out` holds no constants
+        self.out_from_real = False  # `out` came from a real call, no fake ran
         # Compiled plans: the autocast state the call was traced under
         # (_autocast_state), entered around its fake and its real function.
         self.autocast = autocast
@@ -580,11 +590,12 @@ class _Plan:
                 n += 1
         return n_inputs > n
 
-    def record_output(self, desc):
+    def record_output(self, desc, from_real=False):
         """Record the description of what a traced graph returns for this
         call structure."""
         self.out = desc
         self.out_plain = next(_constants(desc), None) is None
+        self.out_from_real = from_real
 
     def check_output(self, leaf, desc):
         """Check a real call's output description against the traced one: a
@@ -593,11 +604,11 @@ class _Plan:
         structures, which a tuple comparison tells at C speed on every call."""
         traced = self.out
         if traced is None:
-            self.record_output(desc)  # no fake ran (a non-tracing dispatch mode)
+            self.record_output(desc, from_real=True)  # no fake ran (a non-tracing dispatch mode)
         elif traced is not desc and not (self.out_plain and traced == desc):
             if _structure(traced) != _structure(desc):
                 raise _structure_mismatch(leaf, desc, traced)
-            _check_graph_constants(leaf, traced, desc)
+            _check_graph_constants(leaf, traced, desc, self.out_from_real)
 
     def rebuild(self, leaf, tensors, arguments, fake):
         """(args, kwargs, [(module, structure, tensors, kind)]) for one call."""

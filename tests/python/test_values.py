@@ -758,3 +758,25 @@ def test_a_fake_returning_one_tensor_for_several_outputs(backend):
     expected = body(x)[1] * 2 + body(x)[2]
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(torch.autograd.grad(got.sum(), x), torch.autograd.grad(expected.sum(), x))
+
+
+def test_non_tensor_outputs_through_the_operator_without_a_fake():
+    """Under a dispatch mode a call goes through the operator, whose outputs
+    are tensors only: its caller gets the first such call's constants, so a
+    changed one is an error -- which said a fake had returned the value "when
+    the graph was traced", though no fake ran and nothing was compiled."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    count = [0]
+
+    @torchleaf.leaf_function
+    def counted(x):
+        count[0] += 1
+        return x * 2, count[0]
+
+    x = torch.ones(2)
+    with FlopCounterMode(display=False):
+        assert counted(x)[1] == 1
+        with pytest.raises(LeafFunctionError, match=r"returned 2 at output\[1\], but 1 there on its first call"):
+            counted(x)
+    assert counted(x)[1] == 3  # eagerly, every call's own
