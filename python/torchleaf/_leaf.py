@@ -453,20 +453,21 @@ def _check_graph_constants(leaf, traced, real, from_real=False):
     call through the operator that no fake described (a dispatch mode, a
     torch.func transform): its caller gets the first such call's constants."""
     for (path, fake_value), (_, real_value) in zip(_constants(traced), _constants(real)):
-        if (type(fake_value) is not type(real_value) or fake_value != real_value) and from_real:
+        if type(fake_value) is type(real_value) and fake_value == real_value:
+            continue
+        if from_real:
             raise LeafFunctionError(
                 f"torchleaf: leaf function '{leaf._name}' returned {real_value!r} at {path}, but "
                 f"{fake_value!r} there on its first call of this structure through the operator (under "
                 f"a dispatch mode or a torch.func transform), whose outputs carry tensors only: the "
                 f"caller gets the first call's non-tensor outputs. Return the value as a tensor."
             )
-        if type(fake_value) is not type(real_value) or fake_value != real_value:
-            raise LeafFunctionError(
-                f"torchleaf: leaf function '{leaf._name}' returned {real_value!r} at {path}, but "
-                f"its fake implementation returned {fake_value!r} there when the graph was traced, "
-                f"and a compiled graph can only return the traced constant. Return the value as a "
-                f"tensor, or make the fake return the same constant."
-            )
+        raise LeafFunctionError(
+            f"torchleaf: leaf function '{leaf._name}' returned {real_value!r} at {path}, but "
+            f"its fake implementation returned {fake_value!r} there when the graph was traced, "
+            f"and a compiled graph can only return the traced constant. Return the value as a "
+            f"tensor, or make the fake return the same constant."
+        )
 
 
 def _add_note(e, note):
@@ -1594,10 +1595,11 @@ class LeafFunction:
                     plan = self._positional[len(args)] = self._plan_from_key(
                         spec, (_TENSOR,) * len(args), _EAGER
                     )
-                # `()` for arguments: the runner gets the real output
-                # description back (None would mean "through the operator",
-                # whose outputs carry the traced constants), and a call that
-                # must go through the operator (a dispatch mode, a functorch
+                # `()` for arguments: the runner returns this call's own
+                # output description (with None it would check it against
+                # the plan's, as for a call through the operator, whose
+                # outputs carry tensors only), and a call that must go
+                # through the operator (a dispatch mode, a functorch
                 # transform) returns None and takes the general path.
                 result = _C.call(self._id, plan.index, args, (), ())
                 if result is not None:
