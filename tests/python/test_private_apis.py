@@ -292,3 +292,5 @@ def test_rng_state_wrappers_find_a_capturing_operators_device():
     assert rng_prims.run_with_rng_state in lowering.lowerings
     _registration._keep_captured_inputs_in_inductor()
     assert _registration._inductor_lowerings_installed
+    for wrapper in (rng_prims.run_and_save_rng_state, rng_prims.run_with_rng_state):
+        assert hasattr(lowering.lowerings[wrapper], "__wrapped__")  # torchleaf's keep_inputs
