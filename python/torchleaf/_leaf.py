@@ -33,6 +33,7 @@ import weakref
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.nn.utils.stateless import _reparametrize_module
 
 from . import _C, _functorch
@@ -512,6 +513,9 @@ _IN_TENSOR, _IN_MODULE, _IN_INT, _IN_NEGATIVE_INT, _IN_NDARRAY, _IN_FLOAT = rang
 # A module named in mutates_args: its parameters are inputs, its buffers are
 # declared mutable (BatchNorm's running statistics).
 _IN_MODULE_MUTABLE_BUFFERS = 6
+# An int whose sign a trace cannot know without a data-dependent guard (an
+# unbacked int from .item()): carried as a zigzag-coded size.
+_IN_SIGNED_INT = 7
 _MODULE_KINDS = (_IN_MODULE, _IN_MODULE_MUTABLE_BUFFERS)
 _TENSOR = "\x00torchleaf:tensor"  # stands for a tensor in a call's key
 _MODULE = "\x00torchleaf:module"  # stands for a module in a compiled call's skeleton
@@ -520,6 +524,7 @@ _NDARRAY = "\x00torchleaf:ndarray"  # a numpy array a traced call passes as a te
 _FLOAT = "\x00torchleaf:float"  # a float a compiled program passes as a 0-dim tensor
 _INT = "\x00torchleaf:int"  # an int a compiled program passes as a carrier's size
 _NEGATIVE_INT = "\x00torchleaf:-int"
+_SIGNED_INT = "\x00torchleaf:zigzag-int"
 
 
 _FINGERPRINT_MASK = (1 << 62) - 1
@@ -639,7 +644,13 @@ class _Plan:
                 k += n
             else:  # an int carried as a size
                 size = tensors[k].shape[0]
-                flat[pos] = size if kind == _IN_INT else -size
+                if kind == _IN_SIGNED_INT:
+                    # Zigzag: 2n for n >= 0, -2n - 1 for n < 0; arithmetic
+                    # only, so that a fake gets a symbolic int unguarded.
+                    half, odd = size // 2, size % 2
+                    flat[pos] = half * (1 - 2 * odd) - odd
+                else:
+                    flat[pos] = size if kind == _IN_INT else -size
                 k += 1
         if arguments is None:
             for pos, structure, own, _ in modules:
@@ -1500,9 +1511,10 @@ class LeafFunction:
                     template.append(None)
                     kind = _IN_MODULE_MUTABLE_BUFFERS if pos in mutated_positions else _IN_MODULE
                     slots.append((kind, pos, k[1]))
-                elif k is _INT or k is _NEGATIVE_INT:
+                elif k is _INT or k is _NEGATIVE_INT or k is _SIGNED_INT:
                     template.append(None)
-                    slots.append((_IN_INT if k is _INT else _IN_NEGATIVE_INT, pos, None))
+                    kind = _IN_INT if k is _INT else _IN_NEGATIVE_INT if k is _NEGATIVE_INT else _IN_SIGNED_INT
+                    slots.append((kind, pos, None))
                 elif k is _NDARRAY:
                     template.append(None)
                     slots.append((_IN_NDARRAY, pos, None))
@@ -1725,12 +1737,11 @@ class LeafFunction:
                     handles.append(torch.full((), _sight_module(x), dtype=torch.int64))
                 else:
                     handles.append(handle.tensor)
-            elif type(x) is int and -_MAX_CARRIED_INT <= x <= _MAX_CARRIED_INT:
-                # Not bool or IntEnum (those stay constants), nor ints beyond
-                # a size's range (seeds, hashes: Dynamo keeps them constant).
-                # May be symbolic: its value reaches the function through a
+            elif type(x) is int:
+                # Not bool or IntEnum (those stay constants). May be
+                # symbolic: its value reaches the function through a
                 # carrier's size instead of a graph constant.
-                skeleton.append(_INT if x >= 0 else _NEGATIVE_INT)
+                skeleton.append(_carried_int(x))
             elif type(x) is float:  # Dynamo makes changing floats symbolic
                 skeleton.append(_FLOAT)
             elif _is_ndarray(x):  # Dynamo holds arrays as tensors
@@ -1764,7 +1775,11 @@ class LeafFunction:
                 # feeds arithmetic symbolic, and specialized the other.)
                 inputs.append(torch.zeros((), dtype=torch.float64) + flat[pos])
             else:  # a zero-stride carrier: no memory, size = the int
-                size = flat[pos] if kind == _IN_INT else -flat[pos]
+                n = flat[pos]
+                if kind == _IN_SIGNED_INT:
+                    size = torch.sym_max(2 * n, -2 * n - 1)  # zigzag, unguarded
+                else:
+                    size = n if kind == _IN_INT else -n
                 inputs.append(torch.empty(()).expand(size))
         inputs.extend(handles)
         # Order: each compiled call takes the token the previous one returned,
@@ -1788,6 +1803,21 @@ class LeafFunction:
             _ORDER_TOKEN = outputs[-1]
         desc = _traced_output(self, plan_index)
         return outputs[0] if desc is None else _decode(desc, outputs[:-1], self._namedtuples)
+
+
+def _carried_int(x):
+    """How a compiled call passes the int ``x`` (traced by Dynamo): as a
+    carrier's size when its sign is known (_INT, _NEGATIVE_INT), zigzag-coded
+    when the trace cannot know it without a data-dependent guard (an unbacked
+    int from ``.item()``: _SIGNED_INT), or as itself, a graph constant,
+    beyond a size's range (seeds, hashes: Dynamo keeps those constant)."""
+    if guard_or_false(x > _MAX_CARRIED_INT) or guard_or_false(x < -_MAX_CARRIED_INT):
+        return x
+    if guard_or_false(x >= 0):
+        return _INT
+    if guard_or_false(x < 0):
+        return _NEGATIVE_INT
+    return _SIGNED_INT
 
 
 def _function_name(fn):

@@ -57,6 +57,33 @@ def test_ints_beyond_a_size_stay_constants(backend):
     torch.testing.assert_close(compiled(x), mix(x, -(2**63) - 5))
 
 
+@pytest.mark.parametrize("backend", ["eager", *COMPILED])
+def test_an_int_from_item_whose_sign_the_trace_cannot_know(backend, monkeypatch):
+    """An unbacked int (.item() with capture_scalar_outputs) failed to trace
+    under fullgraph=True ("Could not guard on data-dependent expression"):
+    a compiled call carried an int as a size, which needs its sign. Such an
+    int is now zigzag-coded; one graph serves negative, zero and positive
+    values."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    torch._dynamo.reset()
+
+    def shift(x, n):
+        return x + n
+
+    leaf = _leaf(shift, lambda x, n: torch.empty_like(x))
+
+    def program(fn, x, y):
+        return fn(x, (y > 0).sum().item() - 2) * 2
+
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(functools.partial(program, leaf), backend=counter, fullgraph=True)
+    x = torch.randn(3)
+    for y in ([-1.0, -1.0, -1.0], [1.0, -1.0, -1.0], [1.0, 1.0, -1.0], [1.0, 1.0, 1.0]):
+        y = torch.tensor(y)
+        torch.testing.assert_close(compiled(x, y), program(shift, x, y))
+    assert counter.frame_count == 1
+
+
 Pair = collections.namedtuple("Pair", "low high")
 
 
