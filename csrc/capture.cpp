@@ -529,12 +529,17 @@ void validate_outputs(
 
 } // namespace
 
+namespace {
+
+// is_alias_of compares storages; sparse tensors have none (their indices and
+// values are tensors of their own), and count as not aliased.
+bool aliases(const at::Tensor& a, const at::Tensor& b) {
+  return a.has_storage() && b.has_storage() && a.is_alias_of(b);
+}
+
+} // namespace
+
 void copy_aliased_outputs(TensorList& outputs, const TensorList& inputs) {
-  // is_alias_of compares storages; sparse tensors have none (their indices
-  // and values are tensors of their own), and count as not aliased.
-  auto aliases = [](const at::Tensor& a, const at::Tensor& b) {
-    return a.has_storage() && b.has_storage() && a.is_alias_of(b);
-  };
   for (size_t i = 0; i < outputs.size(); ++i) {
     bool aliased = false;
     for (const auto& t : inputs) {
@@ -560,7 +565,16 @@ TensorList run_fake(const LeafEntry& entry, const TensorList& inputs, CallSite& 
       ".register_fake (Python) or pass a fake LeafFn to "
       "torchleaf::define_leaf (C++); it must return outputs with the same "
       "structure, shapes and dtypes as the real function.");
-  TensorList outputs = entry.fake(inputs, site);
+  TensorList outputs;
+  try {
+    outputs = entry.fake(inputs, site);
+  } catch (c10::Error& e) {
+    if (dynamic_cast<LeafError*>(&e) == nullptr) {
+      e.add_context("while running the fake implementation of leaf function '" +
+                    entry.name + "'");
+    }
+    throw;
+  }
   for (size_t i = 0; i < outputs.size(); ++i) {
     TORCHLEAF_CHECK(
         outputs[i].defined(),
@@ -621,6 +635,22 @@ TensorList run_real(
     // Inference tensors have no version counter (and cannot be changed in
     // place outside inference mode).
     versions.push_back(t.is_inference() ? 0 : t._version());
+  }
+  // One tensor passed both as an input the function reads and as one it
+  // mutates: the read would see the mutation here but not in a compiled
+  // graph, which mutates a copy. Refused before the function runs.
+  for (size_t m = 0; m < mutable_inputs.size(); ++m) {
+    for (size_t r = 0; mutable_inputs[m] && r < inputs.size(); ++r) {
+      TORCHLEAF_CHECK(
+          mutable_inputs[r] || !aliases(inputs[r], inputs[m]),
+          entry.name,
+          "received the same tensor (or views of one tensor) as input ",
+          r,
+          ", which it reads, and as input ",
+          m,
+          ", which it mutates in place (flattened positions). Pass a clone as "
+          "the read-only input, or pass the tensor only once.");
+    }
   }
 
   const uint64_t first_sequence_nr = at::sequence_number::peek();

@@ -84,8 +84,10 @@ TORCHLEAF_API LeafFunction define_leaf(
 TORCHLEAF_API std::optional<LeafFunction> find_leaf(
     const std::string& qualified_name);
 
-// Number of captured autograd states alive now (one per differentiable call
-// whose graph has not been released yet).
+// Number of captured autograd states alive now: one per differentiable call
+// through the operators (compiled graphs, make_fx, dispatch modes, torch.func)
+// whose graph has not been released yet. A plain eager call wires the body's
+// graph into the caller's and keeps no state, so it never counts.
 TORCHLEAF_API int64_t live_states();
 
 } // namespace torchleaf

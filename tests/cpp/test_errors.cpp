@@ -71,6 +71,42 @@ TEST(Errors, MutatingAnInputThatRequiresGrad) {
   EXPECT_THROW_WITH(leaf({x, buf}), "in-place mutation of differentiable inputs is not supported");
 }
 
+// One tensor (or views of one) passed as an input the function reads and as
+// one it mutates: refused before the function runs (it ran, and then was
+// told its declared mutation was undeclared).
+TEST(Errors, ATensorPassedAsReadAndAsMutableInputIsRefusedBeforeTheCall) {
+  int real_calls = 0;
+  auto leaf = torchleaf::define_leaf(
+      unique_name("read_and_mutated"),
+      [&](const TensorList& in) {
+        ++real_calls;
+        in[1].add_(1);
+        return TensorList{in[0] * 2};
+      },
+      twice_fake, torchleaf::LeafOptions().mutates({1}));
+  auto b = torch::zeros({3});
+  const std::string msg = "as input 0, which it reads, and as input 1, which it mutates in place";
+  EXPECT_THROW_WITH(leaf({b, b}), msg);
+  EXPECT_THROW_WITH(leaf({b[0], b}), msg);
+  EXPECT_EQ(real_calls, 0);
+  EXPECT_EQ(b.sum().item<float>(), 0.0f);
+  EXPECT_TRUE(torch::allclose(leaf({b.clone(), b})[0], torch::zeros({3})));
+  EXPECT_EQ(b.sum().item<float>(), 3.0f);
+}
+
+// The fake's errors name the leaf, as the real function's do.
+TEST(Errors, ExceptionsInTheFakeNameTheLeaf) {
+  const auto name = unique_name("fake_throws");
+  auto leaf = torchleaf::define_leaf(
+      name,
+      [](const TensorList& in) { return TensorList{in[0] + 1}; },
+      [](const TensorList&) -> TensorList { TORCH_CHECK(false, "fake boom"); });
+  EXPECT_THROW_WITH(
+      leaf({torch::empty({2}, torch::kMeta)}),
+      "while running the fake implementation of leaf function '" + name + "'");
+  EXPECT_TRUE(torch::allclose(leaf({torch::ones({2})})[0], torch::full({2}, 2.0)));
+}
+
 namespace {
 using PlainSig = TensorList(at::TensorList);
 using MutatingSig = TensorList(at::TensorList, at::TensorList);
