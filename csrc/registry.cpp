@@ -81,6 +81,20 @@ std::pair<std::string, std::string> split_qualified_name(const std::string& qual
       qualified_name,
       "has a malformed name: expected \"namespace::name\" where both parts "
       "are identifiers (letters, digits, underscores), e.g. \"mylib::scale\".");
+  // Operators of these namespaces are PyTorch's and torchleaf's own: a leaf
+  // there would sit beside them (aten::add without an overload name) or
+  // collide with them.
+  for (const char* reserved : {"aten", "prim", "prims", "torchleaf"}) {
+    TORCHLEAF_CHECK(
+        ns != reserved,
+        qualified_name,
+        "uses the namespace '",
+        ns,
+        "', which holds PyTorch's (or torchleaf's) own operators. Give the "
+        "leaf a namespace of its own, e.g. \"mylib::",
+        name,
+        "\".");
+  }
   return {std::move(ns), std::move(name)};
 }
 

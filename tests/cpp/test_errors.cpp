@@ -25,6 +25,10 @@ TEST(Errors, DuplicateAndMalformedNames) {
   EXPECT_THROW_WITH(torchleaf::define_leaf("no_namespace", twice, twice_fake), "malformed name");
   EXPECT_THROW_WITH(torchleaf::define_leaf("ns::has space", twice, twice_fake), "malformed name");
   EXPECT_THROW_WITH(torchleaf::define_leaf("1ns::x", twice, twice_fake), "malformed name");
+  EXPECT_THROW_WITH(
+      torchleaf::define_leaf("aten::add", twice, twice_fake),
+      "uses the namespace 'aten', which holds PyTorch's (or torchleaf's) own operators");
+  EXPECT_THROW_WITH(torchleaf::define_leaf("torchleaf::call", twice, twice_fake), "uses the namespace 'torchleaf'");
   EXPECT_THROW_WITH(torchleaf::define_leaf(unique_name("noreal"), nullptr, twice_fake), "needs a real implementation");
 }
 
