@@ -531,6 +531,15 @@ void validate_outputs(
 
 namespace {
 
+// Adds "while running the <what> of leaf function '<name>'" to an error
+// from user code (torchleaf's own errors name the leaf already).
+void name_the_leaf(c10::Error& e, const char* what, const LeafEntry& entry) {
+  if (dynamic_cast<LeafError*>(&e) == nullptr) {
+    e.add_context(std::string("while running the ") + what + " of leaf function '" +
+                  entry.name + "'");
+  }
+}
+
 // is_alias_of compares storages; sparse tensors have none (their indices and
 // values are tensors of their own), and count as not aliased.
 bool aliases(const at::Tensor& a, const at::Tensor& b) {
@@ -569,10 +578,7 @@ TensorList run_fake(const LeafEntry& entry, const TensorList& inputs, CallSite& 
   try {
     outputs = entry.fake(inputs, site);
   } catch (c10::Error& e) {
-    if (dynamic_cast<LeafError*>(&e) == nullptr) {
-      e.add_context("while running the fake implementation of leaf function '" +
-                    entry.name + "'");
-    }
+    name_the_leaf(e, "fake implementation", entry);
     throw;
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
@@ -658,10 +664,7 @@ TensorList run_real(
   try {
     outputs = entry.real(inner, site);
   } catch (c10::Error& e) {
-    if (dynamic_cast<LeafError*>(&e) == nullptr) {
-      e.add_context("while running the real function of leaf function '" +
-                    entry.name + "'");
-    }
+    name_the_leaf(e, "real function", entry);
     throw;
   }
 
@@ -999,10 +1002,7 @@ TensorList replay(
             state.input_edges);
       }
     } catch (c10::Error& e) {
-      if (dynamic_cast<LeafError*>(&e) == nullptr) {
-        e.add_context("while running the backward of leaf function '" +
-                      state.entry->name + "'");
-      }
+      name_the_leaf(e, "backward", *state.entry);
       throw;
     } catch (const std::exception&) {
       // A Python exception (an autograd.Function's backward): the bindings
