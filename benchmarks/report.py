@@ -252,8 +252,8 @@ def _inductor_parts_markdown(parts):
         "|---|---:|---:|---:|---|",
         f"| the whole step | {co:.1f} | {tl:.1f} | {tl - co:+.1f} | |",
         f"| Inductor's size asserts | {aco:.1f}{calls(nco)} | {atl:.1f}{calls(ntl)} | {atl - aco:+.1f} | "
-        "the state handle is a tensor, checked as the forward's output and as the backward's input, and "
-        "the backward is an extern operator whose output is checked |",
+        "the graph inputs and the leaf's real outputs (user code); the state handle and the backward "
+        "operator's gradients, which the core guarantees, are not checked |",
         f"| the body's backward nodes, replayed | — | {parts['replayed']:.1f} | {parts['replayed']:+.1f} | "
         "a leaf's backward is the graph its body recorded, run as eager autograd nodes; custom_op's "
         "hand-written formula is compiled into the backward kernel |",
@@ -262,13 +262,13 @@ def _inductor_parts_markdown(parts):
         f"| everything else | {co - aco:.1f} | {tl - atl - parts['replayed'] - parts['recording']:.1f} | "
         f"{parts['rest']:+.1f} | operator entries, state lookup and release, the order token |",
         "",
-        "The first three rows are what a replayed backward is under Inductor 2.13; they cannot go "
-        "without giving up the replay (a hand-written backward) or the tensor handle. A non-tensor "
-        "handle would skip two of the asserts (Inductor checks no opaque object), but AOTAutograd "
-        "2.13 saves a non-tensor for backward only when it is a registered Python opaque type "
-        "(`runtime_wrappers.py` asserts `is_opaque_type` on each; `torch.ScriptObject`, the type of a "
-        "TorchBind object, is not one), which a C++ core and AOTInductor cannot produce. The last "
-        "row is what is left to shave.",
+        "The replayed nodes and the recording are what a replayed backward is under Inductor 2.13; "
+        "they cannot go without giving up the replay (a hand-written backward). Inductor asserts the "
+        "size and stride of each graph input and extern kernel output it relies on; the leaf's "
+        "lowering drops those of the state handle (made by the core, read only by the backward "
+        "operator) and of the backward operator's gradients (validated against each input's metadata "
+        "by the replay and made contiguous), as custom_op's traced backward has none. The last row "
+        "is what is left to shave.",
         "",
     ]
 
@@ -322,9 +322,7 @@ def instructions_markdown(counts):
         "hand-written formula, traced into the graph. Under aot_eager that formula runs as aten "
         "operators, and the leaf's forward operator, cheaper than custom_op's, evens the step out. "
         "Under Inductor the formula becomes part of a compiled kernel, almost free, while the leaf "
-        "still replays; Inductor also checks the size and stride of the leaf's state handle twice "
-        "per step (`assert_size_stride` on the forward's output and the backward's input). A leaf "
-        "exists for bodies that cannot be traced, so its backward cannot be compiled: "
+        "still replays. A leaf exists for bodies that cannot be traced, so its backward cannot be compiled: "
         "matching custom_op under Inductor would take a hand-written backward, custom_op's own "
         "surface. Wall-clock figures above can disagree with these counts by several µs either "
         "way on a shared machine; the counts do not move with its load. "

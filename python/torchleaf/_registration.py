@@ -107,6 +107,14 @@ def _install_inductor_lowerings():
     clone = lowering.lowerings[torch.ops.aten.clone.default]
     capturing = {getattr(torch.ops.torchleaf, name).default for name in _CAPTURING_OPS}
 
+    def ensure_fallback(op):
+        if op not in lowering.lowerings:
+            # What GraphLowering.call_function makes for an operator without
+            # a lowering (an implicit fallback with its default layout
+            # constraint), made ahead of time so that it can be wrapped.
+            tag = get_layout_constraint_tag(op, with_default=True)
+            lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag))
+
     def wrap(target, inputs_at, op_at=None):
         """Wraps the lowering of `target`, whose argument `inputs_at` is a
         capturing call's input list; with `op_at`, only where the argument
@@ -127,18 +135,55 @@ def _install_inductor_lowerings():
                             V.graph.never_reuse_buffers.add(buffer.get_name())
                         except (AttributeError, NotImplementedError):
                             pass  # not a buffer (a constant, an opaque object)
+                elif op_at is None and _is_output(operation, ir, _STATE_HANDLE_INDEX):
+                    _skip_size_check(operation)
             return result
 
         lowering.lowerings[target] = keep_inputs
 
+    def skip_checks_of_backward(target):
+        fallback = lowering.lowerings[target]
+
+        @functools.wraps(fallback)
+        def unchecked_backward(*args, **kwargs):
+            first = len(V.graph.operations)
+            result = fallback(*args, **kwargs)
+            for operation in V.graph.operations[first:]:
+                if _is_output(operation, ir, None):
+                    _skip_size_check(operation)
+            state = args[1] if len(args) > 1 else kwargs.get("state")
+            try:
+                name = state.get_name()
+            except (AttributeError, NotImplementedError):
+                name = None
+            if name in V.graph.graph_inputs:
+                _unchecked_graph_inputs.setdefault(V.graph, set()).add(name)
+            return result
+
+        lowering.lowerings[target] = unchecked_backward
+
+    # A graph's input asserts are made when its wrapper code is generated,
+    # after lowering: drop those of the state handles found above.
+    from torch._inductor.codegen import wrapper as wrapper_codegen
+
+    codegen = wrapper_codegen.PythonWrapperCodegen
+    input_asserts = codegen.codegen_input_size_asserts
+
+    @functools.wraps(input_asserts)
+    def codegen_input_size_asserts(self):
+        input_asserts(self)
+        pending = getattr(self, "_pending_input_asserts", None)
+        for name in _unchecked_graph_inputs.get(V.graph, ()):
+            if pending is not None:
+                pending.pop(name, None)
+
+    codegen.codegen_input_size_asserts = codegen_input_size_asserts
+
     for op in capturing:
-        if op not in lowering.lowerings:
-            # What GraphLowering.call_function makes for an operator without
-            # a lowering (an implicit fallback with its default layout
-            # constraint), made ahead of time so that it can be wrapped.
-            tag = get_layout_constraint_tag(op, with_default=True)
-            lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag))
+        ensure_fallback(op)
         wrap(op, inputs_at=2)
+    ensure_fallback(torch.ops.torchleaf.backward.default)
+    skip_checks_of_backward(torch.ops.torchleaf.backward.default)
     # A call that compiled activation checkpointing recomputes runs inside
     # these (the generator's state saved around the forward's call, restored
     # around the recomputation): run_and_save_rng_state(op, leaf, plan,
@@ -147,6 +192,36 @@ def _install_inductor_lowerings():
     wrap(rng_prims.run_and_save_rng_state, inputs_at=3, op_at=0)
     wrap(rng_prims.run_with_rng_state, inputs_at=4, op_at=1)
     _inductor_lowerings_installed = True
+
+
+# A capturing operator's outputs are (outputs, state handle, ...).
+_STATE_HANDLE_INDEX = 1
+
+
+def _is_output(operation, ir, index):
+    """Whether `operation` takes one output of a torchleaf operator's
+    FallbackKernel: the top-level output `index`, or any with None."""
+    if not isinstance(operation, ir.MultiOutput) or not isinstance(
+        operation.inputs[0], ir.FallbackKernel
+    ):
+        return False
+    return index is None or (len(operation.indices) == 1 and operation.indices[0][1] == index)
+
+
+def _skip_size_check(output):
+    """Drop Inductor's size and stride assert of an output the core already
+    guarantees: the state handle (a 0-dim int64 tensor that only the
+    backward operator reads) and the backward operator's gradients (each
+    validated against its input's metadata by the replay, as the autograd
+    engine validates a node's outputs, and made contiguous, as the fake
+    promises). Each assert builds a stringstream before comparing: ~4k
+    instructions, ~0.4 µs per step."""
+    output.skip_size_stride_alignment_checks = True
+
+
+# Per graph being lowered: the names of its inputs that are state handles
+# read by the backward operator (their asserts are dropped, _skip_size_check).
+_unchecked_graph_inputs = weakref.WeakKeyDictionary()
 
 
 # Per graph being lowered: each FX node's position, and for each storage the

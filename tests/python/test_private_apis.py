@@ -294,3 +294,26 @@ def test_rng_state_wrappers_find_a_capturing_operators_device():
     assert _registration._inductor_lowerings_installed
     for wrapper in (rng_prims.run_and_save_rng_state, rng_prims.run_with_rng_state):
         assert hasattr(lowering.lowerings[wrapper], "__wrapped__")  # torchleaf's keep_inputs
+
+
+def test_inductor_skips_the_size_asserts_torchleaf_marks():
+    """torchleaf drops Inductor's size and stride asserts of the state handle
+    and of the backward operator's gradients (_registration._skip_size_check):
+    it sets MultiOutput.skip_size_stride_alignment_checks on those outputs,
+    and removes the handle's entry from the wrapper's _pending_input_asserts
+    after PythonWrapperCodegen.codegen_input_size_asserts made them.
+    test_compile.py::test_inductor_checks_no_size_the_core_guarantees checks
+    the generated code."""
+    from torch._inductor import ir, lowering  # noqa: F401 (installs torchleaf's wrappers below)
+    from torch._inductor.codegen import wrapper
+
+    from torchleaf import _registration
+
+    assert "skip_size_stride_alignment_checks" in inspect.signature(ir.MultiOutput.__init__).parameters
+    assert "if not self.skip_size_stride_alignment_checks" in inspect.getsource(ir.MultiOutput.codegen)
+    assert "self._pending_input_asserts[name]" in inspect.getsource(
+        inspect.unwrap(wrapper.PythonWrapperCodegen.codegen_input_size_asserts)
+    )
+    assert "_pending_input_asserts" in inspect.getsource(wrapper.PythonWrapperCodegen.codegen_deferred_input_asserts)
+    _registration._keep_captured_inputs_in_inductor()
+    assert hasattr(wrapper.PythonWrapperCodegen.codegen_input_size_asserts, "__wrapped__")
