@@ -217,16 +217,26 @@ class _ModuleView:
                 slot_names.append(name)
         self.slot_dicts, self.slot_keys, self.slot_index, self.slot_names = dicts, keys, index, slot_names
 
-    def unchanged(self, module):
+    def unchanged(self, module, restored=None):
         """Whether `module` still has exactly what the walk saw: the same
-        submodules, dicts and tensors, and nothing added."""
+        submodules, dicts and tensors, and nothing added. With `restored`
+        ({(id(dict), key): tensor}), those entries must hold those tensors
+        instead: what a call put back where an enclosing call of the same
+        leaf had set its own (a module and one of its submodules passed
+        together)."""
         everything = (module, *self.submodules)
-        return (
+        if not (
             all(map(_is, map(_get_parameters, everything), self.parameters))
             and all(map(_is, map(_get_buffers, everything), self.buffers))
             and all(map(_is, map(_get_modules, everything), self.children))
             and list(map(len, self.dicts)) == self.lengths
-            and all(map(_is, map(_dict_get, self.entry_dicts, self.entry_keys), self.entry_values))
+        ):
+            return False
+        if restored is None:
+            return all(map(_is, map(_dict_get, self.entry_dicts, self.entry_keys), self.entry_values))
+        return all(
+            d.get(key) is restored.get((id(d), key), value)
+            for d, key, value in zip(self.entry_dicts, self.entry_keys, self.entry_values)
         )
 
 
@@ -820,7 +830,11 @@ class _Binder:
                     break
         for _ in map(_dict_set, dicts, keys, self.old):
             pass
-        if self.replaced is None and not view.unchanged(self.module):
+        if (
+            self.replaced is None
+            and not view.unchanged(self.module)
+            and not view.unchanged(self.module, {(id(d), key): t for d, key, t in zip(dicts, keys, self.old)})
+        ):
             # Something else changed during the call (a submodule assigned):
             # compare by name, as the function saw the module.
             current = dict(self.module.named_parameters(remove_duplicate=False))

@@ -334,6 +334,37 @@ def test_a_leaf_calling_a_leaf_with_the_same_module():
             torch.testing.assert_close(g, e)
 
 
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+def test_a_module_and_its_submodule_in_one_call(backend):
+    """Both set the submodule's parameters for the call; the one entered
+    last puts back what the first had set, which is not the module's own."""
+    torch._dynamo.reset()
+
+    def both(x, a, b):
+        return a(x) + b(x)
+
+    def in_a_list(x, modules):
+        return modules[0](x) * modules[1](x)
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh()).double()
+    weight = model[0].weight
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    for fn, args in (
+        (both, (model, model[0])),
+        (both, (model[0], model)),
+        (in_a_list, ([model, model[0]],)),
+    ):
+        leaf = _leaf(fn, lambda x, *rest: torch.empty_like(x))
+        run = leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
+        got = run(x, *args)
+        expected = fn(x, *args)
+        torch.testing.assert_close(got, expected)
+        params = [x, *model.parameters()]
+        for g, e in zip(torch.autograd.grad(got.sum(), params), torch.autograd.grad(expected.sum(), params)):
+            torch.testing.assert_close(g, e)
+        assert model[0].weight is weight  # the module is left as it was
+
+
 @torchleaf.leaf_function(mutates_args={"bn"})
 def _normalize(x, bn):
     return bn(x).relu()
