@@ -61,13 +61,15 @@ _BY_STRUCTURE: dict = {}  # structure -> WeakSet of modules
 class _ModuleHandle:
     """The value that names one module in traced graphs."""
 
+    def __new__(cls, module, structure):
+        if module is None:  # (also what pickles of older versions unpickle to)
+            return _UNBOUND
+        return super().__new__(cls)
+
     def __init__(self, module, structure):
-        self.value = next(_handle_values) if module is not None else 0
-        self.tensor = torch.tensor(self.value, dtype=torch.int64)
+        self.value = value = next(_handle_values)
+        self.tensor = torch.tensor(value, dtype=torch.int64)
         self.view = None  # the module's _ModuleView, once an eager call or a graph ran with it
-        if module is None:
-            return
-        value = self.value
 
         def forget(_, value=value):
             _MODULES.pop(value, None)
@@ -82,14 +84,37 @@ class _ModuleHandle:
         owner = ref() if ref is not None else None
         copy = memo.get(id(owner)) if owner is not None else None
         if copy is None:
-            return _ModuleHandle(None, None)
+            return _UNBOUND
         # The copy's own state is not set yet; it has the original's structure.
         return _ModuleHandle(copy, _module_structure(owner)[0])
 
     def __reduce__(self):
         # Handle values are process-local: an unpickled module gets a new
         # handle when torchleaf next sees it.
-        return (_ModuleHandle, (None, None))
+        return (_unbound_handle, ())
+
+
+class _UnboundHandle:
+    """What a handle becomes in an unpickled module: it names no module. A
+    type of its own, so that traced code tells it from a module's handle by
+    a type guard, which all modules share (a guard on a handle's value would
+    give each module a graph of its own)."""
+
+    value = 0
+    view = None
+
+    def __reduce__(self):
+        return (_unbound_handle, ())
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+_UNBOUND = _UnboundHandle()
+
+
+def _unbound_handle():
+    return _UNBOUND
 
 
 def _module_state(module):
@@ -294,17 +319,45 @@ def _handle_of(module, structure):
     return handle
 
 
+def _module_of_structure(structure, tensors):
+    """A live module that has `structure` now (preferring one whose tensors
+    have the shapes of `tensors`), or None. Modules are filed by the
+    structure they had when torchleaf first saw them; one that changed since
+    (a parametrization, a buffer registered, a submodule added) is filed
+    again when no module is found under its new one."""
+    for rescanned in (False, True):
+        if rescanned:
+            with _MODULES_LOCK:
+                refs = list(_MODULES.values())
+            for ref in refs:
+                module = ref()
+                if module is not None:
+                    now = _module_structure(module)[0]
+                    with _MODULES_LOCK:
+                        _BY_STRUCTURE.setdefault(now, weakref.WeakSet()).add(module)
+        with _MODULES_LOCK:
+            candidates = list(_BY_STRUCTURE.get(structure, ()))
+        fallback = None
+        for module in candidates:
+            now, own = _module_structure(module)
+            if now != structure:
+                continue
+            if all(a.shape == b.shape for a, b in zip(own, tensors)):
+                return module
+            if fallback is None:
+                fallback = module
+        if fallback is not None:
+            return fallback
+    return None
+
+
 def _module_at_run_time(leaf, handle, structure, tensors, fake):
     if fake or type(handle) is not _Tensor or handle.is_meta:
         # Fake tensors: any live module of this structure, preferring one whose
         # tensors have the call's shapes.
-        candidates = list(_BY_STRUCTURE.get(structure, ()))
-        for module in candidates:
-            own = _module_state(module)[3]
-            if all(a.shape == b.shape for a, b in zip(own, tensors)):
-                return module
-        if candidates:
-            return candidates[0]
+        module = _module_of_structure(structure, tensors)
+        if module is not None:
+            return module
         raise LeafFunctionError(
             f"torchleaf: leaf function '{leaf._name}' was traced with a {structure[1]} argument, "
             f"but no module of that structure (parameters and buffers {list(structure[2])}) is "
@@ -312,16 +365,17 @@ def _module_at_run_time(leaf, handle, structure, tensors, fake):
         )
     ref = _MODULES.get(int(handle))
     module = ref() if ref is not None else None
-    if _PENDING and module is not None and _HANDLE_ATTR not in module.__dict__:
+    if _PENDING and module is not None and type(module.__dict__.get(_HANDLE_ATTR)) is not _ModuleHandle:
         pending = _PENDING.pop(module, None)
         if pending is not None:
             module.__dict__[_HANDLE_ATTR] = pending
     if module is None:
         raise LeafFunctionError(
             f"torchleaf: leaf function '{leaf._name}' was called from a graph with a "
-            f"{structure[1]} argument that torchleaf cannot find (it was deleted, or it was "
-            f"unpickled or shallow-copied after the graph was traced). Call the leaf with the "
-            f"module once outside the compiled region, or re-trace."
+            f"{structure[1]} argument that torchleaf cannot find: the module passed is a shallow "
+            f"copy (copy.copy) of one that was deleted, and a shallow copy shares the original's "
+            f"torchleaf handle. Use copy.deepcopy, or call the leaf with the copy once outside "
+            f"the compiled region."
         )
     return module
 
@@ -1747,7 +1801,7 @@ class LeafFunction:
                 structures.append((cls.__module__, cls.__qualname__, names, aliases, n_params))
                 module_tensors.append(tensors)
                 handle = x.__dict__.get(_HANDLE_ATTR)
-                if handle is None:
+                if type(handle) is not _ModuleHandle:  # none yet, or unpickled
                     handles.append(torch.full((), _sight_module(x), dtype=torch.int64))
                 else:
                     handles.append(handle.tensor)

@@ -329,6 +329,34 @@ def test_a_copied_model_runs_with_its_own_module():
         assert not torch.allclose(clone(x), model(x))
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_an_unpickled_module_runs_compiled_as_itself(backend):
+    """A handle does not travel in a pickle: the unpickled module's stands
+    for no module, and its first compiled call (no eager call before it)
+    gives it one of its own."""
+    import pickle
+
+    torch._dynamo.reset()
+    gate = _gate()
+    head = nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    gate(x, head)  # seen eagerly: carries a handle
+    clones = [pickle.loads(pickle.dumps(head)) for _ in range(2)]
+    for i, clone in enumerate(clones):
+        with torch.no_grad():
+            clone.weight.mul_(-1 - i)
+    counter = CompileCounterWithBackend(backend)
+    run = torch.compile(lambda x, m: gate(x, m), backend=counter, fullgraph=True)
+    with torch.no_grad():
+        for m in (*clones, head, *clones):
+            torch.testing.assert_close(run(x, m), m(x).tanh())
+    assert not torch.allclose(clones[0](x), head(x))
+    # Each clone's first sight compiles (Dynamo guards a module without a
+    # handle on its identity, as a fresh module's), and so does the first
+    # module with a handle; later calls reuse those graphs.
+    assert counter.frame_count == 3
+
+
 def test_inductor_may_reuse_an_output_buffer_the_captured_graph_saved():
     """tanh saves its result for backward; Inductor computed `out * 2` in the
     output's own buffer, corrupting that saved result."""

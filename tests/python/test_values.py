@@ -12,6 +12,7 @@ import pickle
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import torchleaf
@@ -253,6 +254,11 @@ def test_weights_tied_across_modules(backend):
     assert lm.emb.weight is weight and lm.head.weight is weight  # the module is left as it was
 
 
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return w * 2
+
+
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
 def test_changes_to_a_module_between_calls_are_seen(backend):
     # A module's walk is kept between calls and re-checked by identity: every
@@ -281,11 +287,16 @@ def test_changes_to_a_module_between_calls_are_seen(backend):
     with torch.no_grad():
         model[0].weight.mul_(2)  # data changed in place, outside the leaf
     check()
-    if backend is None:  # structure changes (a recompile under torch.compile)
-        model[2].bias = None
-        check()
-        model.append(nn.Linear(3, 3).double())
-        check()
+    # Structure changes (a recompile under torch.compile, whose fake runs on
+    # a module of the new structure: this one, filed under it again).
+    model[2].bias = None
+    check()
+    model.append(nn.Linear(3, 3).double())
+    check()
+    model[0].register_buffer("scale", torch.ones(3, dtype=torch.float64))
+    check()
+    parametrize.register_parametrization(model[0], "weight", _Doubled())
+    check()
 
 
 def test_modules_the_walk_cannot_place_are_bound_by_name(monkeypatch):
