@@ -187,7 +187,9 @@ std::string output_mismatch(const Meta& m, const at::Tensor& out, bool check_str
             show(m.strides),
             " (compiled code such as Inductor's relies on them; e.g. return "
             "torch.empty_like(x) for an output laid out like input x, or make "
-            "the real output .contiguous())");
+            "the real output .contiguous(). An output that is a view of an "
+            "input or of another output is returned as a copy, laid out as "
+            ".clone() lays it out: contiguous unless the view is dense)");
       }
     }
   }

@@ -19,6 +19,7 @@ Calls come in two forms, sharing plans and the rebuild code:
   same structure.
 """
 
+import collections
 import contextlib
 import functools
 import hashlib
@@ -396,7 +397,15 @@ def _sight_module(module):
 # Outputs are described by a small nested tuple of constants, so that Dynamo
 # can rebuild them from a constant (it cannot use a TreeSpec constant).
 _OUT_TENSOR, _OUT_TUPLE, _OUT_LIST, _OUT_DICT, _OUT_CONST, _OUT_NAMEDTUPLE = range(6)
+# A tuple or dict of a type of its own (a structseq such as torch.max's
+# result, torch.Size, OrderedDict, defaultdict, a dict subclass): rebuilt
+# as that type from the leaf's table (_output_types).
+_OUT_TYPED_TUPLE, _OUT_TYPED_DICT = 6, 7
 _SINGLE = (_OUT_TENSOR, 0)
+
+
+def _type_key(cls):
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _encode(leaf, obj, tensors):
@@ -405,18 +414,31 @@ def _encode(leaf, obj, tensors):
         return (_OUT_TENSOR, len(tensors) - 1)
     if isinstance(obj, tuple):
         children = tuple(_encode(leaf, x, tensors) for x in obj)
+        cls = type(obj)
+        if cls is tuple:
+            return (_OUT_TUPLE, children)
+        key = _type_key(cls)
+        # Compiled code builds it from the leaf's own table (Dynamo cannot
+        # call a class that came out of a constant).
+        leaf._output_types[key] = cls
         if hasattr(obj, "_fields"):
-            cls = type(obj)
-            key = f"{cls.__module__}.{cls.__qualname__}"
-            # Compiled code builds it from the leaf's own table (Dynamo cannot
-            # call a class that came out of a constant).
-            leaf._namedtuples[key] = cls
             return (_OUT_NAMEDTUPLE, cls, children, key)
-        return (_OUT_TUPLE, children)
+        return (_OUT_TYPED_TUPLE, cls, children, key)  # built from one sequence
     if isinstance(obj, list):
         return (_OUT_LIST, tuple(_encode(leaf, x, tensors) for x in obj))
     if isinstance(obj, dict):
-        return (_OUT_DICT, tuple(obj.keys()), tuple(_encode(leaf, x, tensors) for x in obj.values()))
+        keys, children = tuple(obj.keys()), tuple(_encode(leaf, x, tensors) for x in obj.values())
+        cls = type(obj)
+        if cls is dict:
+            return (_OUT_DICT, keys, children)
+        if cls is collections.defaultdict:
+            factory = obj.default_factory
+            key = f"collections.defaultdict({id(factory)})"
+            leaf._output_types[key] = functools.partial(collections.defaultdict, factory)
+        else:
+            key = _type_key(cls)
+            leaf._output_types[key] = cls
+        return (_OUT_TYPED_DICT, keys, children, key)
     if type(obj) in pytree.SUPPORTED_NODES:
         raise LeafFunctionError(
             f"torchleaf: leaf function '{leaf._name}' returned a {type(obj).__name__}; leaf outputs "
@@ -425,19 +447,24 @@ def _encode(leaf, obj, tensors):
     return (_OUT_CONST, obj)
 
 
-def _decode(desc, tensors, namedtuples=None):
+def _decode(desc, tensors, types):
+    """The output `desc` describes, from its tensors; `types` is the leaf's
+    _output_types."""
     kind = desc[0]
     if kind == _OUT_TENSOR:
         return tensors[desc[1]]
     if kind == _OUT_TUPLE:
-        return tuple(_decode(d, tensors, namedtuples) for d in desc[1])
+        return tuple(_decode(d, tensors, types) for d in desc[1])
     if kind == _OUT_LIST:
-        return [_decode(d, tensors, namedtuples) for d in desc[1]]
+        return [_decode(d, tensors, types) for d in desc[1]]
     if kind == _OUT_DICT:
-        return dict(zip(desc[1], [_decode(d, tensors, namedtuples) for d in desc[2]]))
+        return dict(zip(desc[1], [_decode(d, tensors, types) for d in desc[2]]))
     if kind == _OUT_NAMEDTUPLE:
-        cls = desc[1] if namedtuples is None else namedtuples[desc[3]]
-        return cls(*[_decode(d, tensors, namedtuples) for d in desc[2]])
+        return types[desc[3]](*[_decode(d, tensors, types) for d in desc[2]])
+    if kind == _OUT_TYPED_TUPLE:
+        return types[desc[3]]([_decode(d, tensors, types) for d in desc[2]])
+    if kind == _OUT_TYPED_DICT:
+        return types[desc[3]](zip(desc[1], [_decode(d, tensors, types) for d in desc[2]]))
     return desc[1]
 
 
@@ -448,8 +475,12 @@ def _structure(desc):
         return kind
     if kind == _OUT_CONST:
         return (kind, type(desc[1]))
-    if kind == _OUT_DICT or kind == _OUT_NAMEDTUPLE:
+    if kind == _OUT_DICT:
         return (kind, desc[1], tuple(_structure(d) for d in desc[2]))
+    if kind == _OUT_NAMEDTUPLE or kind == _OUT_TYPED_TUPLE:
+        return (kind, desc[3], tuple(_structure(d) for d in desc[2]))
+    if kind == _OUT_TYPED_DICT:
+        return (kind, desc[3], desc[1], tuple(_structure(d) for d in desc[2]))
     return (kind, tuple(_structure(d) for d in desc[1]))
 
 
@@ -458,12 +489,15 @@ def _constants(desc, path="output"):
     kind = desc[0]
     if kind == _OUT_CONST:
         yield path, desc[1]
-    elif kind == _OUT_DICT:
+    elif kind == _OUT_DICT or kind == _OUT_TYPED_DICT:
         for key, d in zip(desc[1], desc[2]):
             yield from _constants(d, f"{path}[{key!r}]")
     elif kind == _OUT_NAMEDTUPLE:
         for name, d in zip(desc[1]._fields, desc[2]):
             yield from _constants(d, f"{path}.{name}")
+    elif kind == _OUT_TYPED_TUPLE:
+        for i, d in enumerate(desc[2]):
+            yield from _constants(d, f"{path}[{i}]")
     elif kind != _OUT_TENSOR:
         for i, d in enumerate(desc[1]):
             yield from _constants(d, f"{path}[{i}]")
@@ -482,9 +516,10 @@ def _show(desc):
         return "Tensor"
     if kind == _OUT_CONST:
         return repr(desc[1])
-    if kind == _OUT_DICT:
-        return "{" + ", ".join(f"{k!r}: {_show(d)}" for k, d in zip(desc[1], desc[2])) + "}"
-    if kind == _OUT_NAMEDTUPLE:
+    if kind == _OUT_DICT or kind == _OUT_TYPED_DICT:
+        items = "{" + ", ".join(f"{k!r}: {_show(d)}" for k, d in zip(desc[1], desc[2])) + "}"
+        return items if kind == _OUT_DICT else f"{desc[3]}({items})"
+    if kind == _OUT_NAMEDTUPLE or kind == _OUT_TYPED_TUPLE:
         return desc[1].__name__ + "(" + ", ".join(_show(d) for d in desc[2]) + ")"
     inner = ", ".join(_show(d) for d in desc[1])
     return f"({inner})" if kind == _OUT_TUPLE else f"[{inner}]"
@@ -1470,7 +1505,7 @@ class LeafFunction:
         self._plans = {}  # index (a fingerprint of its call structure) -> _Plan
         self._plan_index = {}  # call key -> _Plan
         self._positional = {}  # arity -> _Plan for all-tensor positional calls
-        self._namedtuples = {}  # "module.qualname" -> namedtuple type among outputs
+        self._output_types = {}  # "module.qualname" -> a type among outputs (_OUT_NAMEDTUPLE, _OUT_TYPED_*)
         self._lock = threading.Lock()
         # The core holds only a weak reference: the leaf dies with its last user.
         self._id = _C.define_python_leaf(
@@ -1686,7 +1721,7 @@ class LeafFunction:
                     outputs, desc = result
                     if desc is _SINGLE:
                         return outputs[0]
-                    return _decode(desc, outputs)
+                    return _decode(desc, outputs, self._output_types)
         flat, spec = pytree.tree_flatten((args, kwargs))
         for x in flat:
             if isinstance(x, nn.Module):
@@ -1701,7 +1736,7 @@ class LeafFunction:
             result = _C.call(self._id, plan.index, inputs, mutated, arguments)
             if result is not None:
                 outputs, desc = result
-                return _decode(desc, outputs)
+                return _decode(desc, outputs, self._output_types)
             # Something records the call after all (a functorch transform):
             # describe it for a graph.
         if torch.compiler.is_exporting():
@@ -1709,7 +1744,7 @@ class LeafFunction:
         self._check_no_sharded_modules(flat)
         plan, inputs, mutated, _ = self._plan_for(flat, spec, traced=True)
         outputs, desc = _C.call(self._id, plan.index, inputs, mutated, None)
-        return _decode(desc if desc is not None else plan.out, outputs)
+        return _decode(desc if desc is not None else plan.out, outputs, self._output_types)
 
     def _check_no_sharded_modules(self, flat):
         for x in flat:
@@ -1757,7 +1792,7 @@ class LeafFunction:
         else:
             outputs = self._named_op(inputs, call)
         desc = _traced_output(self, plan_index)
-        return outputs[0] if desc is None else _decode(desc, outputs, self._namedtuples)
+        return outputs[0] if desc is None else _decode(desc, outputs, self._output_types)
 
     def _compiled_call(self, args, kwargs):
         # Traced by Dynamo: everything but the tensors (module tensors and
@@ -1781,7 +1816,7 @@ class LeafFunction:
                     desc = _traced_output(self, plan_index)
                     if desc is None:
                         return outputs[0]
-                    return _decode(desc, outputs[:-1], self._namedtuples)
+                    return _decode(desc, outputs[:-1], self._output_types)
         if _is_exporting():
             return self._exported_call(*pytree.tree_flatten((args, kwargs)))
         flat = []
@@ -1870,7 +1905,7 @@ class LeafFunction:
         if stores_token:
             _ORDER_TOKEN = outputs[-1]
         desc = _traced_output(self, plan_index)
-        return outputs[0] if desc is None else _decode(desc, outputs[:-1], self._namedtuples)
+        return outputs[0] if desc is None else _decode(desc, outputs[:-1], self._output_types)
 
 
 def _carried_int(x):

@@ -104,6 +104,45 @@ def test_namedtuple_outputs(backend):
     torch.testing.assert_close(g, torch.autograd.grad(expected.high.sum() + expected.low.sum(), x)[0])
 
 
+class _Record(dict):
+    def total(self):
+        return sum(v.sum() for v in self.values())
+
+
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+def test_outputs_keep_their_container_types(backend):
+    """OrderedDict, defaultdict (with its factory), dict subclasses,
+    structseqs (torch.max's result) and torch.Size come back as themselves."""
+    torch._dynamo.reset()
+
+    def containers(x):
+        ordered = collections.OrderedDict([("b", x * 2), ("a", x + 1)])
+        counts = collections.defaultdict(list, {"sq": x * x})
+        return ordered, counts, _Record(y=x.exp()), x.reshape(2, 3).max(0), x.shape
+
+    def fake(x):
+        e = torch.empty_like(x)
+        top = x.new_empty(3)
+        return (collections.OrderedDict([("b", e), ("a", torch.empty_like(x))]),
+                collections.defaultdict(list, {"sq": torch.empty_like(x)}),
+                _Record(y=torch.empty_like(x)),
+                torch.return_types.max((top, top.long())), x.shape)
+
+    leaf = _leaf(containers, fake)
+    run = leaf if backend is None else torch.compile(lambda x: leaf(x), backend=backend, fullgraph=True)
+    x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    got, expected = run(x), containers(x)
+    assert [type(v) for v in got] == [type(v) for v in expected]
+    ordered, counts, record, top, shape = got
+    assert list(ordered) == ["b", "a"] and counts.default_factory is list and counts["new"] == []
+    assert shape == torch.Size([6])
+    torch.testing.assert_close((ordered["b"], ordered["a"], counts["sq"], record["y"], top.values, top.indices),
+                               (expected[0]["b"], expected[0]["a"], expected[1]["sq"], expected[2]["y"],
+                                expected[3].values, expected[3].indices))
+    loss = lambda out: out[0]["b"].sum() + out[1]["sq"].sum() + out[2].total() + out[3].values.sum()
+    torch.testing.assert_close(torch.autograd.grad(loss(got), x), torch.autograd.grad(loss(expected), x))
+
+
 def test_inference_tensors():
     def double(x):
         return x * 2
