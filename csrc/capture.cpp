@@ -546,6 +546,20 @@ bool aliases(const at::Tensor& a, const at::Tensor& b) {
   return a.has_storage() && b.has_storage() && a.is_alias_of(b);
 }
 
+// For an error about input i: the other inputs that are views of the same
+// tensor (they share its version counter, so any of them may be the one
+// that changed).
+std::string views_of_one_tensor(const TensorList& inputs, size_t i) {
+  std::string others;
+  for (size_t j = 0; j < inputs.size(); ++j) {
+    if (j != i && aliases(inputs[j], inputs[i])) {
+      others += c10::str(others.empty() ? "" : ", ", j);
+    }
+  }
+  return others.empty() ? std::string()
+                        : c10::str(" or one of the inputs that are views of the same tensor (", others, ")");
+}
+
 } // namespace
 
 void copy_aliased_outputs(TensorList& outputs, const TensorList& inputs) {
@@ -675,7 +689,9 @@ TensorList run_real(
           entry.name,
           "mutated its input ",
           i,
-          " (flattened position) in place without declaring it. Declare it "
+          " (flattened position)",
+          views_of_one_tensor(inputs, i),
+          " in place without declaring it. Declare it "
           "with mutates_args={...} (Python) or LeafOptions::mutates (C++), "
           "or clone the input before changing it.");
     }

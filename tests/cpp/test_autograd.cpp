@@ -273,6 +273,11 @@ TEST(Autograd, InputAliasesShareTheCallersVersionCounter) {
   auto z = torch::ones({2}).requires_grad_();
   auto z_view = z * 1; // a non-leaf requiring grad: the aliased input is captured
   EXPECT_THROW_WITH(sneaky({y, z_view}), "mutated its input 1");
+  // Views of one tensor share its version counter: the message names both.
+  auto base = torch::ones({4});
+  EXPECT_THROW_WITH(
+      sneaky({base.narrow(0, 0, 2), base.narrow(0, 2, 2)}),
+      "mutated its input 0 (flattened position) or one of the inputs that are views of the same tensor (1)");
   EXPECT_EQ(torchleaf::live_states(), 0);
 }
 

@@ -104,6 +104,26 @@ def test_namedtuple_outputs(backend):
     torch.testing.assert_close(g, torch.autograd.grad(expected.high.sum() + expected.low.sum(), x)[0])
 
 
+def test_a_fake_describes_the_copy_of_an_aliasing_output():
+    """An output that is a view of another output is returned as a copy,
+    laid out as clone() lays it out; Inductor relies on the fake's strides,
+    and a fake that describes the view rather than the copy is told so."""
+    torch._dynamo.reset()
+
+    def head_and_tail(x):
+        y = x * 2
+        return y, y[:, 1:]
+
+    x = torch.randn(3, 4)
+    like_the_copy = _leaf(head_and_tail, lambda x: (torch.empty_like(x), x.new_empty(3, 3)))
+    got = torch.compile(lambda x: like_the_copy(x), backend="inductor", fullgraph=True)(x)
+    torch.testing.assert_close(got, head_and_tail(x))
+    assert got[1].stride() == (3, 1)
+    like_the_view = _leaf(head_and_tail, lambda x: (torch.empty_like(x), torch.empty_like(x)[:, 1:]))
+    with pytest.raises(LeafFunctionError, match=r"view of an input or of another output is returned as a copy"):
+        torch.compile(lambda x: like_the_view(x), backend="inductor", fullgraph=True)(x)
+
+
 class _Record(dict):
     def total(self):
         return sum(v.sum() for v in self.values())
