@@ -401,20 +401,76 @@ _OUT_TENSOR, _OUT_TUPLE, _OUT_LIST, _OUT_DICT, _OUT_CONST, _OUT_NAMEDTUPLE = ran
 # result, torch.Size, OrderedDict, defaultdict, a dict subclass): rebuilt
 # as that type from the leaf's table (_output_types).
 _OUT_TYPED_TUPLE, _OUT_TYPED_DICT = 6, 7
+# An int output that a traced graph cannot hold as a constant: the fake
+# returned a SymInt (a size of a dynamic input, an unbacked size), so each
+# call's int travels as the size of a zero-stride int64 carrier among the
+# operator's outputs, as int arguments do: (_OUT_INT, tensor index, coding),
+# coding _INT_SIZE (the int is the size) or _INT_ZIGZAG (2n, or -2n - 1 when
+# negative, for an int whose sign the trace cannot know).
+_OUT_INT = 8
+_INT_SIZE, _INT_ZIGZAG = 0, 1
 _SINGLE = (_OUT_TENSOR, 0)
+
+
+def _int_carrier(leaf, n, coding):
+    """The carrier of int output `n` (a SymInt when a fake returned it)."""
+    if coding == _INT_ZIGZAG:
+        size = torch.sym_max(2 * n, -2 * n - 1)
+    elif isinstance(n, int) and n < 0:
+        raise LeafFunctionError(
+            f"torchleaf: leaf function '{leaf._name}' returned {n} where its fake returned a size "
+            f"(a non-negative int): make the fake return an int that may be negative."
+        )
+    else:
+        size = n
+    # (empty_strided: an expand would be a view, whose base shares its
+    # storage; the core copies an output whose storage is shared.)
+    return torch.empty_strided((size,), (0,), dtype=torch.int64)
+
+
+def _int_of_carrier(carrier, coding):
+    size = carrier.shape[0]
+    if coding == _INT_SIZE:
+        return size
+    odd = size % 2
+    return (size // 2) * (1 - odd) - ((size + 1) // 2) * odd
 
 
 def _type_key(cls):
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _encode(leaf, obj, tensors):
+def _traced_children(traced, kind, n):
+    """The traced description's children, where it describes a container of
+    `kind` (a kind of `_encode`'s containers) with `n` of them."""
+    if traced is None or traced[0] != kind:
+        return (None,) * n
+    children = traced[1] if kind == _OUT_TUPLE or kind == _OUT_LIST else traced[2]
+    return children if len(children) == n else (None,) * n
+
+
+def _encode(leaf, obj, tensors, traced=None):
+    """The description of output `obj`, its tensors appended to `tensors`.
+    With `traced` (the traced call's description), the ints where the fake
+    returned a SymInt become carriers (_OUT_INT)."""
     if isinstance(obj, _Tensor):
         tensors.append(obj)
         return (_OUT_TENSOR, len(tensors) - 1)
+    if isinstance(obj, torch.SymInt):  # a fake's
+        coding = _INT_SIZE if guard_or_false(obj >= 0) else _INT_ZIGZAG
+        tensors.append(_int_carrier(leaf, obj, coding))
+        return (_OUT_INT, len(tensors) - 1, coding)
+    if traced is not None and traced[0] == _OUT_INT and type(obj) is int:
+        tensors.append(_int_carrier(leaf, obj, traced[2]))
+        return (_OUT_INT, len(tensors) - 1, traced[2])
     if isinstance(obj, tuple):
-        children = tuple(_encode(leaf, x, tensors) for x in obj)
         cls = type(obj)
+        kind = _OUT_TUPLE if cls is tuple else _OUT_NAMEDTUPLE if hasattr(obj, "_fields") else _OUT_TYPED_TUPLE
+        if traced is None:
+            children = tuple(_encode(leaf, x, tensors) for x in obj)
+        else:
+            subs = _traced_children(traced, kind, len(obj))
+            children = tuple(_encode(leaf, x, tensors, t) for x, t in zip(obj, subs))
         if cls is tuple:
             return (_OUT_TUPLE, children)
         key = _type_key(cls)
@@ -425,10 +481,19 @@ def _encode(leaf, obj, tensors):
             return (_OUT_NAMEDTUPLE, cls, children, key)
         return (_OUT_TYPED_TUPLE, cls, children, key)  # built from one sequence
     if isinstance(obj, list):
-        return (_OUT_LIST, tuple(_encode(leaf, x, tensors) for x in obj))
+        if traced is None:
+            return (_OUT_LIST, tuple(_encode(leaf, x, tensors) for x in obj))
+        subs = _traced_children(traced, _OUT_LIST, len(obj))
+        return (_OUT_LIST, tuple(_encode(leaf, x, tensors, t) for x, t in zip(obj, subs)))
     if isinstance(obj, dict):
-        keys, children = tuple(obj.keys()), tuple(_encode(leaf, x, tensors) for x in obj.values())
         cls = type(obj)
+        keys = tuple(obj.keys())
+        if traced is None:
+            children = tuple(_encode(leaf, x, tensors) for x in obj.values())
+        else:
+            same_keys = traced[0] in (_OUT_DICT, _OUT_TYPED_DICT) and traced[1] == keys
+            subs = _traced_children(traced, _OUT_DICT if cls is dict else _OUT_TYPED_DICT, len(keys))
+            children = tuple(_encode(leaf, x, tensors, t if same_keys else None) for x, t in zip(obj.values(), subs))
         if cls is dict:
             return (_OUT_DICT, keys, children)
         if cls is collections.defaultdict:
@@ -465,13 +530,15 @@ def _decode(desc, tensors, types):
         return types[desc[3]]([_decode(d, tensors, types) for d in desc[2]])
     if kind == _OUT_TYPED_DICT:
         return types[desc[3]](zip(desc[1], [_decode(d, tensors, types) for d in desc[2]]))
+    if kind == _OUT_INT:
+        return _int_of_carrier(tensors[desc[1]], desc[2])
     return desc[1]
 
 
 def _structure(desc):
     """The shape of a description without constant values (for validation)."""
     kind = desc[0]
-    if kind == _OUT_TENSOR:
+    if kind == _OUT_TENSOR or kind == _OUT_INT:
         return kind
     if kind == _OUT_CONST:
         return (kind, type(desc[1]))
@@ -498,22 +565,34 @@ def _constants(desc, path="output"):
     elif kind == _OUT_TYPED_TUPLE:
         for i, d in enumerate(desc[2]):
             yield from _constants(d, f"{path}[{i}]")
-    elif kind != _OUT_TENSOR:
+    elif kind != _OUT_TENSOR and kind != _OUT_INT:
         for i, d in enumerate(desc[1]):
             yield from _constants(d, f"{path}[{i}]")
 
 
-def _flatten_output(leaf, out):
+def _flatten_output(leaf, out, traced=None):
     if isinstance(out, _Tensor):  # fake tensors too: one description object
         return [out], _SINGLE
     tensors = []
-    return tensors, _encode(leaf, out, tensors)
+    return tensors, _encode(leaf, out, tensors, traced)
+
+
+def _has_int_carriers(desc):
+    kind = desc[0]
+    if kind == _OUT_INT:
+        return True
+    if kind == _OUT_TENSOR or kind == _OUT_CONST:
+        return False
+    children = desc[1] if kind == _OUT_TUPLE or kind == _OUT_LIST else desc[2]
+    return any(map(_has_int_carriers, children))
 
 
 def _show(desc):
     kind = desc[0]
     if kind == _OUT_TENSOR:
         return "Tensor"
+    if kind == _OUT_INT:
+        return "int"
     if kind == _OUT_CONST:
         return repr(desc[1])
     if kind == _OUT_DICT or kind == _OUT_TYPED_DICT:
@@ -658,7 +737,7 @@ class _Plan:
 
     __slots__ = (
         "index", "spec", "template", "slots", "mutated", "ordered", "positional", "out",
-        "out_plain", "out_from_real", "autocast", "out_dtypes",
+        "out_plain", "out_from_real", "out_carries", "autocast", "out_dtypes",
     )
 
     def __init__(self, index, spec, template, slots, mutated, mode, positional, autocast=None):
@@ -674,6 +753,7 @@ class _Plan:
         self.out = None  # the fake's output description, once traced
         self.out_plain = False  # whether `out` holds no constants
         self.out_from_real = False  # `out` came from a real call, no fake ran
+        self.out_carries = False  # `out` has ints that travel as carriers (_OUT_INT)
         # Compiled plans: the autocast state the call was traced under
         # (_autocast_state), entered around its fake and its real function.
         self.autocast = autocast
@@ -701,6 +781,7 @@ class _Plan:
         self.out = desc
         self.out_plain = next(_constants(desc), None) is None
         self.out_from_real = from_real
+        self.out_carries = _has_int_carriers(desc)
 
     def check_output(self, leaf, desc):
         """Check a real call's output description against the traced one: a
@@ -1044,7 +1125,7 @@ def _run_real(leaf_ref, plan_index, tensors, arguments):
     if isinstance(out, _Tensor) and plan.out is _SINGLE and plan.out_dtypes is None:
         # One tensor, as traced: _flatten_output's and check_output's answer.
         return ([out, None] if plan.ordered else [out]), _SINGLE
-    flat, desc = _flatten_output(leaf, out)
+    flat, desc = _flatten_output(leaf, out, plan.out if plan.out_carries else None)
     if arguments is None:
         # Called through the operator (a graph, or a dispatch mode that runs
         # real kernels): the caller rebuilds outputs from the plan's

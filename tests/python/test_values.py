@@ -124,6 +124,43 @@ def test_a_fake_describes_the_copy_of_an_aliasing_output():
         torch.compile(lambda x: like_the_view(x), backend="inductor", fullgraph=True)(x)
 
 
+@pytest.mark.parametrize("backend", COMPILED)
+def test_int_outputs_that_change_between_calls(backend):
+    """An int output whose fake returns a SymInt (a size of a dynamic input,
+    or an unbacked size for a data-dependent count) is each call's own int,
+    negative ones included, without recompiling; a fake's plain int stays a
+    graph constant."""
+    torch._dynamo.reset()
+
+    def sizes(x):
+        return x.sin(), x.shape[0], -x.shape[0]
+
+    def count(x):
+        n = int((x > 0).sum())
+        return x * 2, n, -n
+
+    def unbacked(x):
+        n = torch.library.get_ctx().new_dynamic_size()
+        return torch.empty_like(x), n, -n
+
+    def use(f, x):
+        y, n, m = f(x)
+        return y.sum() * n + m, n, m
+
+    for fn, fake in ((sizes, lambda x: (torch.empty_like(x), x.shape[0], -x.shape[0])), (count, unbacked)):
+        leaf = _leaf(fn, fake)
+        counter = CompileCounterWithBackend(backend)
+        compiled = torch.compile(lambda x: use(leaf, x), backend=counter, fullgraph=True, dynamic=True)
+        for b in (3, 4, 6):
+            x = torch.randn(b, dtype=torch.float64, requires_grad=True)
+            got, expected = compiled(x), use(fn, x)
+            assert got[1:] == expected[1:] and all(type(v) is int for v in got[1:])
+            torch.testing.assert_close(got[0], expected[0])
+            torch.testing.assert_close(torch.autograd.grad(got[0], x), torch.autograd.grad(expected[0], x))
+        assert counter.frame_count == 1
+    assert torchleaf.live_states() == 0
+
+
 class _Record(dict):
     def total(self):
         return sum(v.sum() for v in self.values())
