@@ -542,12 +542,26 @@ def _encode(leaf, obj, tensors, traced=None):
             key = _type_key(cls)
             leaf._output_types[key] = cls
         return (_OUT_TYPED_DICT, keys, children, key)
-    if type(obj) in pytree.SUPPORTED_NODES:
-        raise LeafFunctionError(
-            f"torchleaf: leaf function '{leaf._name}' returned a {type(obj).__name__}; leaf outputs "
-            f"may be tensors, constants and tuples, lists, dicts or namedtuples of them."
-        )
+    node = pytree.SUPPORTED_NODES.get(type(obj))
+    if node is not None:
+        # Another registered pytree node (a registered dataclass, a deque):
+        # its children, rebuilt by its unflatten function with this context.
+        values, context = node.flatten_fn(obj)
+        cls = type(obj)
+        key = f"{_type_key(cls)}{context!r}"
+        if key not in leaf._output_types:
+            leaf._output_types[key] = _rebuilder(node.unflatten_fn, context)
+        subs = _traced_children(traced, _OUT_TYPED_TUPLE, len(values)) if traced is not None else None
+        if subs is None:
+            children = tuple(_encode(leaf, x, tensors) for x in values)
+        else:
+            children = tuple(_encode(leaf, x, tensors, t) for x, t in zip(values, subs))
+        return (_OUT_TYPED_TUPLE, cls, children, key)
     return (_OUT_CONST, obj)
+
+
+def _rebuilder(unflatten, context):
+    return lambda values: unflatten(values, context)
 
 
 def _decode(desc, tensors, types):

@@ -200,6 +200,37 @@ def test_outputs_keep_their_container_types(backend):
     torch.testing.assert_close(torch.autograd.grad(loss(got), x), torch.autograd.grad(loss(expected), x))
 
 
+@dataclasses.dataclass
+class _Prediction:
+    scores: torch.Tensor
+    count: int
+
+
+torch.utils._pytree.register_dataclass(_Prediction)
+
+
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+def test_registered_pytree_outputs(backend):
+    """Outputs of other registered pytree types (a registered dataclass, a
+    deque) are rebuilt by their own unflatten function."""
+    torch._dynamo.reset()
+
+    def predict(x):
+        return _Prediction(x.softmax(0), 3), collections.deque([x * 2], maxlen=4)
+
+    leaf = _leaf(predict, lambda x: (_Prediction(torch.empty_like(x), 3),
+                                     collections.deque([torch.empty_like(x)], maxlen=4)))
+    run = leaf if backend is None else torch.compile(lambda x: leaf(x), backend=backend, fullgraph=True)
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    (prediction, recent), expected = run(x), predict(x)
+    assert type(prediction) is _Prediction and prediction.count == 3
+    assert type(recent) is collections.deque and recent.maxlen == 4
+    torch.testing.assert_close((prediction.scores, recent[0]), (expected[0].scores, expected[1][0]))
+    loss = lambda p, r: (p.scores * x).sum() + r[0].sum()
+    torch.testing.assert_close(torch.autograd.grad(loss(prediction, recent), x),
+                               torch.autograd.grad(loss(*expected), x))
+
+
 def test_inference_tensors():
     def double(x):
         return x * 2
