@@ -82,7 +82,24 @@ std::shared_ptr<CapturedState> state_at(const c10::Storage& storage, int64_t off
   return nullptr;
 }
 
+std::atomic<SavedHookMayCopy> g_saved_hook_may_copy{nullptr};
+
+// Whether saved-tensor hooks are active that may save a copy of a handle
+// (which then finds its state by value: see make_state_handle).
+bool hooks_may_copy_handles() {
+  const auto hooks = at::SavedTensorDefaultHooks::get_hooks(/*ignore_is_tracing=*/true);
+  if (!hooks.has_value()) {
+    return false;
+  }
+  const auto may_copy = g_saved_hook_may_copy.load(std::memory_order_acquire);
+  return may_copy == nullptr || may_copy(hooks->first);
+}
+
 } // namespace
+
+void set_saved_hook_may_copy(SavedHookMayCopy check) {
+  g_saved_hook_may_copy.store(check, std::memory_order_release);
+}
 
 LiveStateCounter::LiveStateCounter() {
   g_live_states.fetch_add(1, std::memory_order_relaxed);
@@ -94,7 +111,7 @@ LiveStateCounter::~LiveStateCounter() {
 
 at::Tensor make_state_handle(std::shared_ptr<CapturedState> state) {
   const int64_t value = g_next_handle_value.fetch_add(1, std::memory_order_relaxed);
-  if (at::SavedTensorDefaultHooks::get_hooks(/*ignore_is_tracing=*/true).has_value()) {
+  if (hooks_may_copy_handles()) {
     auto& kept = kept_states();
     std::lock_guard<std::mutex> lock(kept.mutex);
     kept.states.emplace(value, state);

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/SafePyObject.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/autograd/function.h>
 
@@ -66,6 +67,15 @@ struct CapturedState {
 // kept under the handle's value until a backward that does not retain the
 // graph consumed it (release_after_backward), so that a copy finds it.
 at::Tensor make_state_handle(std::shared_ptr<CapturedState> state);
+
+// Whether the saved-tensor pack hook `pack_hook` (a Python callable) may
+// save a copy of a tensor it packs, rather than the tensor itself or
+// nothing (activation checkpointing's hooks save nothing and recompute, or
+// keep the tensor itself). A state is kept for copies only when the active
+// hook may make one. Without a check set (no Python bindings), every hook
+// may.
+using SavedHookMayCopy = bool (*)(const c10::SafePyObject& pack_hook);
+TORCHLEAF_API void set_saved_hook_may_copy(SavedHookMayCopy check);
 
 // The state of `handle` (the handle itself, or a copy of one made while
 // saved-tensor hooks were active), which `entry`'s forward made; a clear

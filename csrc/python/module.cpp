@@ -4,6 +4,7 @@
 // lifetimes) is the core's.
 
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -259,6 +260,26 @@ py::list named_leaves() {
   return out;
 }
 
+// ------------------------------------------------- saved-tensor hooks
+
+// torchleaf._registration._saved_hook_may_copy (a function of the package,
+// not a user object: it lives as long as the module).
+PyObject* g_saved_hook_may_copy = nullptr;
+
+bool python_saved_hook_may_copy(const c10::SafePyObject& pack_hook) {
+  if (g_saved_hook_may_copy == nullptr || !Py_IsInitialized()) {
+    return true;
+  }
+  py::gil_scoped_acquire gil;
+  py::error_scope pending;
+  try {
+    auto hook = py::handle(pack_hook.ptr(getPyInterpreter()));
+    return py::handle(g_saved_hook_may_copy)(hook).cast<bool>();
+  } catch (py::error_already_set&) {
+    return true; // keep the state: the safe answer
+  }
+}
+
 } // namespace
 } // namespace torchleaf::python
 
@@ -273,6 +294,13 @@ PYBIND11_MODULE(_C, m) {
     set_error_thrower(&throw_python_leaf_error);
     set_foreign_error_noter(&note_python_error);
   }, "Make torchleaf errors raise `type` (a RuntimeError subclass).");
+
+  m.def("_set_saved_hook_may_copy", [](py::object check) {
+    Py_XDECREF(g_saved_hook_may_copy);
+    g_saved_hook_may_copy = check.release().ptr();
+    set_saved_hook_may_copy(&python_saved_hook_may_copy);
+  }, "Set check(pack_hook) -> bool: whether a saved-tensor pack hook may save a "
+     "copy of a state handle (the core then keeps the state for the copy).");
 
   m.def("define_python_leaf", &define_python_leaf,
         py::arg("name"), py::arg("runner"), py::arg("fake_runner"),

@@ -8,6 +8,10 @@ import torch
 def _set_error_type(type: type[RuntimeError]) -> None:
     """Make torchleaf errors raise `type` (a RuntimeError subclass)."""
 
+def _set_saved_hook_may_copy(check: Callable[[Callable[..., Any]], bool]) -> None:
+    """Set check(pack_hook) -> bool: whether a saved-tensor pack hook may save a
+    copy of a state handle (the core then keeps the state for the copy)."""
+
 def define_python_leaf(
     name: str,
     runner: Callable[[Any, int, list[torch.Tensor], Any], tuple[list[torch.Tensor], Any]],

@@ -3,6 +3,7 @@ fake kernels (so FakeTensorMode runs user fakes with full symbolic-shape
 support, unbacked sizes included), and what keeps calls from being
 dead-code-eliminated or reordered."""
 
+import inspect
 import sys
 import weakref
 
@@ -369,7 +370,31 @@ def _register_ops():
     # own rule (LeafFunction.register_vmap).
     _functorch.register_rules()
     _let_rng_state_wrappers_find_listed_tensors()
+    _C._set_saved_hook_may_copy(_saved_hook_may_copy)
     sync_cpp_leaves()
+
+
+# Activation checkpointing's pack hooks (torch.utils.checkpoint, non-reentrant):
+# the first saves nothing (the region is recomputed in backward), the second
+# saves the recomputed tensor itself.
+_CHECKPOINT_PACK_HOOKS = frozenset({
+    "_checkpoint_hook.__init__.<locals>.pack_hook",
+    "_recomputation_hook.__init__.<locals>.pack_hook",
+})
+
+
+def _saved_hook_may_copy(pack_hook):
+    """Whether the saved-tensor pack hook `pack_hook` may save a copy of a
+    state handle, for which the core must keep the state until a backward
+    consumes it. Checkpointing's never does: a state kept under it would
+    never be consumed (backward replays the recomputation's state), one per
+    step, with the body's saved activations. Other hooks (save_on_cpu, user
+    hooks) may."""
+    fn = inspect.unwrap(pack_hook)  # (the recomputation's is wrapped by torch._dynamo.disable)
+    return not (
+        getattr(fn, "__module__", None) == "torch.utils.checkpoint"
+        and getattr(fn, "__qualname__", None) in _CHECKPOINT_PACK_HOOKS
+    )
 
 
 def _let_rng_state_wrappers_find_listed_tensors():

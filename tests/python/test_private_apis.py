@@ -317,3 +317,32 @@ def test_inductor_skips_the_size_asserts_torchleaf_marks():
     assert "_pending_input_asserts" in inspect.getsource(wrapper.PythonWrapperCodegen.codegen_deferred_input_asserts)
     _registration._keep_captured_inputs_in_inductor()
     assert hasattr(wrapper.PythonWrapperCodegen.codegen_input_size_asserts, "__wrapped__")
+
+
+def test_checkpointing_pack_hooks_are_recognized():
+    """torchleaf keeps no state for copies of a handle under non-reentrant
+    checkpointing's saved-tensor hooks, which save nothing or the tensor
+    itself (_registration._saved_hook_may_copy). It recognizes them by
+    module and qualified name, so a renamed hook would bring back the leak
+    test_training_stack.py::test_eager_checkpointing_around_a_compiled_region_keeps_no_state
+    catches."""
+    from torch.utils import checkpoint
+
+    from torchleaf import _registration
+
+    seen = []
+
+    def record(x):
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        seen.append(None if hooks is None else hooks[0])
+        return x.sin()
+
+    x = torch.ones(2, requires_grad=True)
+    checkpoint.checkpoint(record, x, use_reentrant=False).sum().backward()
+    forward_hook, recompute_hook = seen
+    assert not _registration._saved_hook_may_copy(forward_hook)
+    assert not _registration._saved_hook_may_copy(recompute_hook)
+    assert _registration._saved_hook_may_copy(lambda t: t.clone())
+    with torch.autograd.graph.save_on_cpu():
+        (pack, _), = [torch._C._autograd._top_saved_tensors_default_hooks(True)]
+    assert _registration._saved_hook_may_copy(pack)
