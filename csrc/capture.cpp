@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 
 #include <cstring>
 #include <optional>
@@ -615,6 +616,16 @@ TensorList run_real(
     std::shared_ptr<CapturedState>* state_out,
     const torch::autograd::edge_list* caller_edges) {
   const ProfilerRange range(entry.name);
+  // torch.jit.trace records the operations it sees: those of the body, on
+  // the call's own tensors, which it would bake in as constants (a trace
+  // that returns the traced inputs' results whatever it is given).
+  TORCHLEAF_CHECK(
+      !torch::jit::tracer::isTracing(),
+      entry.name,
+      "was called under torch.jit.trace, which cannot record a leaf function: "
+      "it would trace the function's body with its inputs baked in as "
+      "constants. Use torch.compile, or torch.export (a Python leaf needs "
+      "a name, leaf_function(name=\"ns::op\")).");
   bool capture = false;
   if (!capture_mask.empty()) {
     TORCH_INTERNAL_ASSERT(capture_mask.size() == inputs.size());

@@ -171,6 +171,11 @@ def read_and_mutated():
     leaf(t, t)
 
 
+def jit_traced():
+    leaf = leaf_with_fake(lambda x: x * 2, torch.empty_like)
+    torch.jit.trace(lambda x: leaf(x) + 1, (torch.ones(2),))
+
+
 CASES = [
     (no_fake, LeafFunctionError, r"requires a fake implementation.*register_fake"),
     (fake_structure, LeafFunctionError, r"different output structure than its fake implementation"),
@@ -189,6 +194,7 @@ CASES = [
     (released_state, LeafFunctionError, r"cannot run backward: its autograd state was already released by an earlier backward\. Pass retain_graph=True"),
     (wrong_gradient_count, LeafFunctionError, r"backward received 1 gradient\(s\) for 2 output\(s\)"),
     (opaque_pytree_context, LeafFunctionError, r"got a Box in positional argument 0 under torch.compile, a pytree node whose context .* is not made of plain constants"),
+    (jit_traced, LeafFunctionError, r"was called under torch.jit.trace, which cannot record a leaf function.*Use torch.compile"),
     (read_and_mutated, LeafFunctionError, r"got the same tensor \(or views of one tensor\) as argument 'x', which it reads, and as argument 'buf', which it mutates in place \(mutates_args\)\. Pass a clone"),
 ]
 
