@@ -513,11 +513,13 @@ def _encode(leaf, obj, tensors, traced=None):
             return (_OUT_TUPLE, children)
         key = _type_key(cls)
         # Compiled code builds it from the leaf's own table (Dynamo cannot
-        # call a class that came out of a constant).
-        leaf._output_types[key] = cls
+        # call a class that came out of a constant); eager calls from the
+        # description. Entries never change once set: compiled code is
+        # guarded on them.
+        leaf._output_types.setdefault(key, cls)
         if hasattr(obj, "_fields"):
             return (_OUT_NAMEDTUPLE, cls, children, key)
-        return (_OUT_TYPED_TUPLE, cls, children, key)  # built from one sequence
+        return (_OUT_TYPED_TUPLE, cls, children, key, cls)  # built from one sequence
     if isinstance(obj, list):
         if traced is None:
             return (_OUT_LIST, tuple(_encode(leaf, x, tensors) for x in obj))
@@ -535,13 +537,15 @@ def _encode(leaf, obj, tensors, traced=None):
         if cls is dict:
             return (_OUT_DICT, keys, children)
         if cls is collections.defaultdict:
+            # By the factory's name: a factory made per call (a lambda) is
+            # one entry, whose first factory compiled calls use.
             factory = obj.default_factory
-            key = f"collections.defaultdict({id(factory)})"
-            leaf._output_types[key] = functools.partial(collections.defaultdict, factory)
+            key = f"collections.defaultdict({_function_name(factory) if factory is not None else None})"
+            build = functools.partial(collections.defaultdict, factory)
         else:
-            key = _type_key(cls)
-            leaf._output_types[key] = cls
-        return (_OUT_TYPED_DICT, keys, children, key)
+            key, build = _type_key(cls), cls
+        leaf._output_types.setdefault(key, build)
+        return (_OUT_TYPED_DICT, keys, children, key, build)
     node = pytree.SUPPORTED_NODES.get(type(obj))
     if node is not None:
         # Another registered pytree node (a registered dataclass, a deque):
@@ -549,14 +553,15 @@ def _encode(leaf, obj, tensors, traced=None):
         values, context = node.flatten_fn(obj)
         cls = type(obj)
         key = f"{_type_key(cls)}{context!r}"
-        if key not in leaf._output_types:
-            leaf._output_types[key] = _rebuilder(node.unflatten_fn, context)
+        build = leaf._output_types.get(key)
+        if build is None:
+            build = leaf._output_types[key] = _rebuilder(node.unflatten_fn, context)
         subs = _traced_children(traced, _OUT_TYPED_TUPLE, len(values)) if traced is not None else None
         if subs is None:
             children = tuple(_encode(leaf, x, tensors) for x in values)
         else:
             children = tuple(_encode(leaf, x, tensors, t) for x, t in zip(values, subs))
-        return (_OUT_TYPED_TUPLE, cls, children, key)
+        return (_OUT_TYPED_TUPLE, cls, children, key, build)
     return (_OUT_CONST, obj)
 
 
@@ -564,9 +569,10 @@ def _rebuilder(unflatten, context):
     return lambda values: unflatten(values, context)
 
 
-def _decode(desc, tensors, types):
-    """The output `desc` describes, from its tensors; `types` is the leaf's
-    _output_types."""
+def _decode(desc, tensors, types=None):
+    """The output `desc` describes, from its tensors; `types` (compiled
+    code) is the leaf's _output_types, from which typed containers are
+    built, else from the description."""
     kind = desc[0]
     if kind == _OUT_TENSOR:
         return tensors[desc[1]]
@@ -577,11 +583,14 @@ def _decode(desc, tensors, types):
     if kind == _OUT_DICT:
         return dict(zip(desc[1], [_decode(d, tensors, types) for d in desc[2]]))
     if kind == _OUT_NAMEDTUPLE:
-        return types[desc[3]](*[_decode(d, tensors, types) for d in desc[2]])
+        cls = desc[1] if types is None else types[desc[3]]
+        return cls(*[_decode(d, tensors, types) for d in desc[2]])
     if kind == _OUT_TYPED_TUPLE:
-        return types[desc[3]]([_decode(d, tensors, types) for d in desc[2]])
+        build = desc[4] if types is None else types[desc[3]]
+        return build([_decode(d, tensors, types) for d in desc[2]])
     if kind == _OUT_TYPED_DICT:
-        return types[desc[3]](zip(desc[1], [_decode(d, tensors, types) for d in desc[2]]))
+        build = desc[4] if types is None else types[desc[3]]
+        return build(zip(desc[1], [_decode(d, tensors, types) for d in desc[2]]))
     if kind == _OUT_INT:
         return _int_of_carrier(tensors[desc[1]], desc[2])
     return desc[1]
@@ -1854,7 +1863,7 @@ class LeafFunction:
                     outputs, desc = result
                     if desc is _SINGLE:
                         return outputs[0]
-                    return _decode(desc, outputs, self._output_types)
+                    return _decode(desc, outputs)
         flat, spec = pytree.tree_flatten((args, kwargs))
         for x in flat:
             if isinstance(x, nn.Module):
@@ -1869,7 +1878,7 @@ class LeafFunction:
             result = _C.call(self._id, plan.index, inputs, mutated, arguments)
             if result is not None:
                 outputs, desc = result
-                return _decode(desc, outputs, self._output_types)
+                return _decode(desc, outputs)
             # Something records the call after all (a functorch transform):
             # describe it for a graph.
         if torch.compiler.is_exporting():
@@ -1877,7 +1886,7 @@ class LeafFunction:
         self._check_no_sharded_modules(flat)
         plan, inputs, mutated, _ = self._plan_for(flat, spec, traced=True)
         outputs, desc = _C.call(self._id, plan.index, inputs, mutated, None)
-        return _decode(desc if desc is not None else plan.out, outputs, self._output_types)
+        return _decode(desc if desc is not None else plan.out, outputs)
 
     def _check_no_sharded_modules(self, flat):
         for x in flat:

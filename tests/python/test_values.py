@@ -186,8 +186,12 @@ def test_outputs_keep_their_container_types(backend):
                 torch.return_types.max((top, top.long())), x.shape)
 
     leaf = _leaf(containers, fake)
-    run = leaf if backend is None else torch.compile(lambda x: leaf(x), backend=backend, fullgraph=True)
+    counter = CompileCounterWithBackend(backend or "eager")
+    run = leaf if backend is None else torch.compile(lambda x: leaf(x), backend=counter, fullgraph=True)
     x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    for _ in range(2):
+        run(x)  # the types' table guards compiled calls: no recompile
+    assert counter.frame_count == (0 if backend is None else 1)
     got, expected = run(x), containers(x)
     assert [type(v) for v in got] == [type(v) for v in expected]
     ordered, counts, record, top, shape = got
