@@ -56,7 +56,7 @@ _handle_values = itertools.count(1)
 # Live modules by structure, for running fakes: a fake runs on fake tensors,
 # whose handle values are unknown, so it sees a module of the same structure
 # reparametrized with the call's own (fake) tensors.
-_BY_STRUCTURE: dict = {}  # structure without settings -> WeakSet of modules
+_BY_STRUCTURE: dict = {}  # structure -> WeakSet of modules
 
 
 class _ModuleHandle:
@@ -71,16 +71,13 @@ class _ModuleHandle:
         self.value = value = next(_handle_values)
         self.tensor = torch.tensor(value, dtype=torch.int64)
         self.view = None  # the module's _ModuleView, once an eager call or a graph ran with it
-        # The module's settings (_module_settings) as compiled calls see them:
-        # Dynamo guards traces on it, by value, so modules alike share graphs.
-        self.settings = structure[5]
 
         def forget(_, value=value):
             _MODULES.pop(value, None)
 
         with _MODULES_LOCK:
             _MODULES[value] = weakref.ref(module, forget)
-            _BY_STRUCTURE.setdefault(structure[:5], weakref.WeakSet()).add(module)
+            _BY_STRUCTURE.setdefault(structure, weakref.WeakSet()).add(module)
 
     def __deepcopy__(self, memo):
         # copy.deepcopy(model): the copy gets a handle of its own.
@@ -162,37 +159,10 @@ def _module_state_by_id(module):
 
 
 def _module_structure(module):
-    """(structure, tensors): what a plan keys on for a module argument. The
-    structure's last entry is its settings (_module_settings)."""
+    """(structure, tensors): what a plan keys on for a module argument."""
     names, aliases, n_params, tensors = _module_state_by_id(module)
     cls = type(module)
-    return (cls.__module__, cls.__qualname__, names, aliases, n_params, _module_settings(module)), tensors
-
-
-_SETTING_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
-
-
-def _is_setting(value):
-    cls = type(value)
-    return cls in _SETTING_TYPES or ((cls is tuple or cls is list) and all(type(v) in _SETTING_TYPES for v in value))
-
-
-def _module_settings(module):
-    """A digest of the plain attributes of the module and its submodules
-    (Conv's stride, Upsample's scale_factor, Dropout's p; not `training`),
-    or "" when there are none. A fake may depend on them, so modules that
-    differ in them get plans (and compiled graphs) of their own. Taken when
-    torchleaf first sees the module or walks it again (a handle keeps it):
-    a setting changed later without any other change to the module is not
-    seen by compiled calls' guards."""
-    settings = []
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        for key, value in sub.__dict__.items():
-            if key[0] != "_" and key != "training" and _is_setting(value):
-                settings.append((prefix, key, value))
-    if not settings:
-        return ""
-    return hashlib.blake2b(repr(settings).encode(), digest_size=8).hexdigest()
+    return (cls.__module__, cls.__qualname__, names, aliases, n_params), tensors
 
 
 # ------------------------------------------------------------ module views
@@ -328,11 +298,6 @@ def _module_view(module, handle=None):
         view = _ModuleView(module)
         if handle is not None:
             handle.view = view
-            # Filed again under what it is now (a parametrization or a buffer
-            # added, settings changed), for fakes of compiled calls.
-            handle.settings = view.structure[5]
-            with _MODULES_LOCK:
-                _BY_STRUCTURE.setdefault(view.structure[:5], weakref.WeakSet()).add(module)
     return view
 
 
@@ -356,13 +321,11 @@ def _handle_of(module, structure):
 
 
 def _module_of_structure(structure, tensors):
-    """A live module that has `structure` now, or None; preferring one with
-    its settings, then one whose tensors have the shapes of `tensors`.
-    Modules are filed by the structure they had when torchleaf last walked
-    them; one that changed since (a parametrization, a buffer registered, a
-    submodule added) is filed again when no module is found under its new
-    one."""
-    base = structure[:5]
+    """A live module that has `structure` now (preferring one whose tensors
+    have the shapes of `tensors`), or None. Modules are filed by the
+    structure they had when torchleaf first saw them; one that changed since
+    (a parametrization, a buffer registered, a submodule added) is filed
+    again when no module is found under its new one."""
     for rescanned in (False, True):
         if rescanned:
             with _MODULES_LOCK:
@@ -372,21 +335,20 @@ def _module_of_structure(structure, tensors):
                 if module is not None:
                     now = _module_structure(module)[0]
                     with _MODULES_LOCK:
-                        _BY_STRUCTURE.setdefault(now[:5], weakref.WeakSet()).add(module)
+                        _BY_STRUCTURE.setdefault(now, weakref.WeakSet()).add(module)
         with _MODULES_LOCK:
-            candidates = list(_BY_STRUCTURE.get(base, ()))
-        best, best_rank = None, -1
+            candidates = list(_BY_STRUCTURE.get(structure, ()))
+        fallback = None
         for module in candidates:
             now, own = _module_structure(module)
-            if now[:5] != base:
+            if now != structure:
                 continue
-            rank = 2 * (now[5] == structure[5]) + all(a.shape == b.shape for a, b in zip(own, tensors))
-            if rank == 3:
+            if all(a.shape == b.shape for a, b in zip(own, tensors)):
                 return module
-            if rank > best_rank:
-                best, best_rank = module, rank
-        if best is not None:
-            return best
+            if fallback is None:
+                fallback = module
+        if fallback is not None:
+            return fallback
     return None
 
 
@@ -423,12 +385,12 @@ def _module_at_run_time(leaf, handle, structure, tensors, fake):
 def _sight_module(module):
     """Called by Dynamo at trace time for a module that has no handle yet: makes
     one (the same one again in a restarted trace; see _PENDING) and returns
-    its value and the module's settings. (Dynamo guards this trace on the
-    module's identity; traces of modules that already have handles do not.)"""
+    its value. (Dynamo guards this trace on the module's identity; traces of
+    modules that already have handles do not.)"""
     handle = _PENDING.get(module)
     if handle is None:
         handle = _PENDING[module] = _ModuleHandle(module, _module_structure(module)[0])
-    return handle.value, handle.settings
+    return handle.value
 
 
 # --------------------------------------------------------------------- outputs
@@ -1975,15 +1937,13 @@ class LeafFunction:
                 names, aliases, n_params, tensors = _module_state(x)
                 cls = type(x)
                 skeleton.append(_MODULE)
+                structures.append((cls.__module__, cls.__qualname__, names, aliases, n_params))
                 module_tensors.append(tensors)
                 handle = x.__dict__.get(_HANDLE_ATTR)
                 if type(handle) is not _ModuleHandle:  # none yet, or unpickled
-                    value, settings = _sight_module(x)
-                    handles.append(torch.full((), value, dtype=torch.int64))
+                    handles.append(torch.full((), _sight_module(x), dtype=torch.int64))
                 else:
-                    settings = handle.settings  # (guarded by value)
                     handles.append(handle.tensor)
-                structures.append((cls.__module__, cls.__qualname__, names, aliases, n_params, settings))
             elif type(x) is int:
                 # Not bool or IntEnum (those stay constants). May be
                 # symbolic: its value reaches the function through a

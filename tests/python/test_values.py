@@ -476,42 +476,6 @@ def test_a_leaf_calling_a_leaf_with_the_same_module():
             torch.testing.assert_close(g, e)
 
 
-@pytest.mark.parametrize("backend", COMPILED)
-def test_modules_that_differ_only_in_settings(backend):
-    """Blocks with the same parameters but another stride: the fake of each
-    call runs on a module with that call's settings, and a graph traced for
-    one setting is not reused for another; modules alike share a graph."""
-    torch._dynamo.reset()
-
-    def block(x, conv):
-        return conv(x).relu()
-
-    leaf = _leaf(block, lambda x, conv: conv(x))  # the fake reads the module's stride
-    blocks = [nn.Conv1d(2, 2, 3, stride=s).double() for s in (1, 2, 1, 2)]
-    x = torch.randn(1, 2, 17, dtype=torch.float64, requires_grad=True)
-
-    def chain(x, blocks):
-        for b in blocks:
-            x = leaf(x, b)
-        return x
-
-    counter = CompileCounterWithBackend(backend)
-    compiled = torch.compile(chain, backend=counter, fullgraph=True)
-    got = compiled(x, blocks)
-    expected = x
-    for b in blocks:
-        expected = block(expected, b)
-    torch.testing.assert_close(got, expected)
-    params = [x, *blocks[1].parameters()]
-    torch.testing.assert_close(torch.autograd.grad(got.sum(), params), torch.autograd.grad(expected.sum(), params))
-    # One module at a time: a graph per setting, shared by modules alike.
-    single = CompileCounterWithBackend(backend)
-    one = torch.compile(lambda x, b: leaf(x, b), backend=single, fullgraph=True)
-    for b in [*blocks, *blocks]:
-        torch.testing.assert_close(one(x, b), block(x, b))
-    assert single.frame_count == 2
-
-
 @pytest.mark.parametrize("backend", [None, *COMPILED])
 def test_a_module_and_its_submodule_in_one_call(backend):
     """Both set the submodule's parameters for the call; the one entered
