@@ -440,6 +440,29 @@ def _type_key(cls):
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _rebuilt_exactly(obj, cls, base):
+    """Whether output container `obj` (a subclass of tuple or dict) is
+    rebuilt as it was by calling its type on its items, eager and compiled
+    alike: a structseq or torch.Size; an OrderedDict; a defaultdict whose
+    factory its name names (a class or a module-level function, not a
+    lambda or closure made per call); a subclass that keeps its base's
+    constructor and has no attributes of its own. Others (a Counter, a
+    constructor of its own) are returned as a plain tuple or dict."""
+    if cls is collections.OrderedDict or cls is torch.Size or hasattr(cls, "n_fields"):
+        return True
+    if cls is collections.defaultdict:
+        factory = obj.default_factory
+        name = getattr(factory, "__qualname__", "")
+        return factory is None or isinstance(factory, type) or (
+            "<locals>" not in name and "<lambda>" not in name and getattr(factory, "__closure__", None) is None
+        )
+    return (
+        cls.__new__ is base.__new__
+        and cls.__init__ is base.__init__
+        and not getattr(obj, "__dict__", None)
+    )
+
+
 def _traced_children(traced, kind, n):
     """The traced description's children, where it describes a container of
     `kind` (a kind of `_encode`'s containers) with `n` of them."""
@@ -465,6 +488,8 @@ def _encode(leaf, obj, tensors, traced=None):
         return (_OUT_INT, len(tensors) - 1, traced[2])
     if isinstance(obj, tuple):
         cls = type(obj)
+        if cls is not tuple and not hasattr(obj, "_fields") and not _rebuilt_exactly(obj, cls, tuple):
+            cls = tuple  # returned as a plain tuple
         kind = _OUT_TUPLE if cls is tuple else _OUT_NAMEDTUPLE if hasattr(obj, "_fields") else _OUT_TYPED_TUPLE
         if traced is None:
             children = tuple(_encode(leaf, x, tensors) for x in obj)
@@ -489,6 +514,8 @@ def _encode(leaf, obj, tensors, traced=None):
         return (_OUT_LIST, tuple(_encode(leaf, x, tensors, t) for x, t in zip(obj, subs)))
     if isinstance(obj, dict):
         cls = type(obj)
+        if cls is not dict and not _rebuilt_exactly(obj, cls, dict):
+            cls = dict  # returned as a plain dict
         keys = tuple(obj.keys())
         if traced is None:
             children = tuple(_encode(leaf, x, tensors) for x in obj.values())
@@ -499,8 +526,7 @@ def _encode(leaf, obj, tensors, traced=None):
         if cls is dict:
             return (_OUT_DICT, keys, children)
         if cls is collections.defaultdict:
-            # By the factory's name: a factory made per call (a lambda) is
-            # one entry, whose first factory compiled calls use.
+            # By the factory's name, which names one factory (_rebuilt_exactly).
             factory = obj.default_factory
             key = f"collections.defaultdict({_function_name(factory) if factory is not None else None})"
             build = functools.partial(collections.defaultdict, factory)

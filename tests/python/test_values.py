@@ -204,6 +204,39 @@ def test_outputs_keep_their_container_types(backend):
     torch.testing.assert_close(torch.autograd.grad(loss(got), x), torch.autograd.grad(loss(expected), x))
 
 
+class _Tagged(dict):
+    def __init__(self, tag, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tag = tag
+
+
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+def test_containers_not_rebuilt_exactly_come_back_plain(backend):
+    """A container that calling its type on its items would not rebuild (a
+    Counter, a constructor of its own, a defaultdict whose factory is a
+    lambda made per call) comes back as a plain dict or tuple with the right
+    items, eager and compiled alike, never emptied or with a stale factory."""
+    torch._dynamo.reset()
+
+    def containers(x):
+        k = x.sum()
+        return (_Tagged("t", y=x * 2), collections.Counter(a=3, b=1),
+                collections.defaultdict(lambda: k, {"q": x + 1}))
+
+    def fake(x):
+        return (_Tagged("t", y=torch.empty_like(x)), collections.Counter(a=3, b=1),
+                collections.defaultdict(lambda: 0.0, {"q": torch.empty_like(x)}))
+
+    leaf = _leaf(containers, fake)
+    run = leaf if backend is None else torch.compile(lambda x: leaf(x), backend=backend, fullgraph=True)
+    for x in (torch.tensor([1.0, 2.0]), torch.tensor([5.0, 5.0])):
+        tagged, counts, defaults = run(x)
+        assert [type(v) for v in (tagged, counts, defaults)] == [dict, dict, dict]
+        torch.testing.assert_close(tagged, {"y": x * 2})
+        assert counts == {"a": 3, "b": 1}
+        torch.testing.assert_close(defaults, {"q": x + 1})
+
+
 @dataclasses.dataclass
 class _Prediction:
     scores: torch.Tensor
