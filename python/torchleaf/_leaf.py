@@ -34,7 +34,7 @@ import weakref
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import guard_or_false
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 from torch.nn.utils.stateless import _reparametrize_module
 
 from . import _C, _functorch
@@ -415,6 +415,11 @@ _SINGLE = (_OUT_TENSOR, 0)
 def _int_carrier(leaf, n, coding):
     """The carrier of int output `n` (a SymInt when a fake returned it)."""
     if coding == _INT_ZIGZAG:
+        if isinstance(n, int) and not -(2**62) <= n < 2**62:
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{leaf._name}' returned {n}, which a compiled call cannot "
+                f"return where its fake returned a SymInt (|n| < 2**62)."
+            )
         size = torch.sym_max(2 * n, -2 * n - 1)
     elif isinstance(n, int) and n < 0:
         raise LeafFunctionError(
@@ -480,7 +485,12 @@ def _encode(leaf, obj, tensors, traced=None):
         tensors.append(obj)
         return (_OUT_TENSOR, len(tensors) - 1)
     if isinstance(obj, torch.SymInt):  # a fake's
-        coding = _INT_SIZE if guard_or_false(obj >= 0) else _INT_ZIGZAG
+        if traced is not None and traced[0] == _OUT_INT:
+            coding = traced[2]  # as the call structure's earlier traces
+        else:
+            # Known non-negative without a guard (a size, an unbacked count):
+            # the size itself, which binds an unbacked symbol; else zigzag.
+            coding = _INT_SIZE if statically_known_true(obj >= 0) else _INT_ZIGZAG
         tensors.append(_int_carrier(leaf, obj, coding))
         return (_OUT_INT, len(tensors) - 1, coding)
     if traced is not None and traced[0] == _OUT_INT and type(obj) is int:
@@ -1216,7 +1226,11 @@ def _run_fake(leaf_ref, plan_index, tensors, arguments, real_desc):
                 f"{type(e).__name__}: {e}"
             ) from e
         raise
-    flat, desc = _flatten_output(leaf, out)
+    # Where an earlier trace of this call structure returned an int as a
+    # carrier, an int is one here too: the operator's outputs, which every
+    # graph of the plan indexes, must not change in number (a dynamic size
+    # that the next trace specialized returns a plain int).
+    flat, desc = _flatten_output(leaf, out, plan.out if plan.out_carries else None)
     _check_fake_constants(leaf, desc)
     if plan.ordered:
         if plan.autocast is not None and arguments is None and real_desc is None:

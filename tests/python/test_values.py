@@ -160,7 +160,16 @@ def test_int_outputs_that_change_between_calls(backend):
         assert counter.frame_count == 1
     assert torchleaf.live_states() == 0
 
-
+    # An int whose sign depends on the size: traces that specialize a size
+    # (0 and 1, or a size making it 0) return a plain int where the dynamic
+    # trace returned a SymInt; every graph of the call structure still gets
+    # its carrier.
+    leaf = _leaf(lambda x: (x * 2, x.shape[0] - 3), lambda x: (torch.empty_like(x), x.shape[0] - 3))
+    compiled = torch.compile(lambda x: leaf(x), backend=backend, fullgraph=True, dynamic=True)
+    for b in (2, 5, 3, 1, 9, 2):
+        y, n = compiled(torch.ones(b))
+        assert n == b - 3
+        torch.testing.assert_close(y, torch.full((b,), 2.0))
 class _Record(dict):
     def total(self):
         return sum(v.sum() for v in self.values())
