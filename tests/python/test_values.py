@@ -170,6 +170,8 @@ def test_int_outputs_that_change_between_calls(backend):
         y, n = compiled(torch.ones(b))
         assert n == b - 3
         torch.testing.assert_close(y, torch.full((b,), 2.0))
+
+
 class _Record(dict):
     def total(self):
         return sum(v.sum() for v in self.values())
