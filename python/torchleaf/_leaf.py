@@ -405,8 +405,9 @@ _OUT_TYPED_TUPLE, _OUT_TYPED_DICT = 6, 7
 # returned a SymInt (a size of a dynamic input, an unbacked size), so each
 # call's int travels as the size of a zero-stride int64 carrier among the
 # operator's outputs, as int arguments do: (_OUT_INT, tensor index, coding),
-# coding _INT_SIZE (the int is the size) or _INT_ZIGZAG (2n, or -2n - 1 when
-# negative, for an int whose sign the trace cannot know).
+# coding _INT_SIZE (the int is the size: known non-negative without a
+# guard) or _INT_ZIGZAG (2n, or -2n - 1 when negative). Once a trace of a
+# call structure carried an int, its later traces carry it with that coding.
 _OUT_INT = 8
 _INT_SIZE, _INT_ZIGZAG = 0, 1
 _SINGLE = (_OUT_TENSOR, 0)
