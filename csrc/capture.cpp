@@ -192,7 +192,11 @@ struct UserCodeKeysGuard {
     constexpr auto view_fallbacks = c10::DispatchKeySet(
         {c10::DispatchKey::Conjugate, c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor});
     auto keys = c10::impl::tls_local_dispatch_key_set();
-    keys.excluded_ = keys.excluded_ - view_fallbacks;
+    // ADInplaceOrView bumps version counters, which inference mode keeps
+    // for normal tensors: excluded here, an in-place change in the body
+    // would escape the mutation check and the saved-tensor check.
+    keys.excluded_ = keys.excluded_ - view_fallbacks -
+        c10::DispatchKeySet(c10::DispatchKey::ADInplaceOrView);
     if (autograd) {
       keys.excluded_ =
           keys.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;

@@ -740,7 +740,10 @@ def _new_order_token():
 # the way, on every call of a compiled frame: one global each instead of
 # torch.compiler.is_compiling's chain of three and torch.ops.torchleaf.call's
 # four.
-_is_compiling = torch.compiler.is_compiling
+# is_dynamo_compiling, not is_compiling: torch 2.13's is_compiling reads a
+# process-wide flag that is set while any thread compiles, and an eager call
+# in another thread would take the traced path.
+_is_compiling = torch.compiler.is_dynamo_compiling
 _is_exporting = torch.compiler.is_exporting
 _CALL = torch.ops.torchleaf.call.default
 _CALL_MUTATING = torch.ops.torchleaf.call_mutating.default
@@ -1219,7 +1222,7 @@ def _run_fake(leaf_ref, plan_index, tensors, arguments, real_desc):
             out = _invoke(leaf, leaf._fake, plan, tensors, arguments, fake=True)
     except BaseException as e:
         _add_note(e, f"raised inside the fake implementation of leaf function '{leaf._name}'")
-        if _is_compiling() and _names_no_leaf_under_dynamo(e):
+        if torch.compiler.is_compiling() and _names_no_leaf_under_dynamo(e):
             # Dynamo reports an exception from a fake as "got KeyError(...)"
             # on the operator call, its context (and our note) suppressed.
             raise LeafFunctionError(

@@ -151,6 +151,15 @@ TEST(Leaf, DeclaredMutationIsVisibleUndeclaredIsAnError) {
       },
       [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; });
   EXPECT_THROW_WITH(sneaky({torch::ones({2})}), "mutated its input 0");
+
+  // Inference mode keeps normal tensors' version counters: the body's
+  // in-place changes count there too (y is not an inference tensor).
+  const auto y = torch::ones({2});
+  const c10::InferenceMode inference;
+  EXPECT_THROW_WITH(sneaky({y}), "mutated its input 0");
+  const auto version = buf._version();
+  counter({x, buf});
+  EXPECT_EQ(buf._version(), version + 1);
 }
 
 TEST(Leaf, OutputValidationNamesTheDifference) {

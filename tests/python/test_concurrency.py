@@ -70,6 +70,56 @@ def test_threads_compiled():
     _hammer(compiled)
 
 
+def test_eager_calls_while_another_thread_compiles():
+    """torch.compiler.is_compiling() is process-wide in torch 2.13: while one
+    thread compiles, eager leaf calls in others (a nested one included) must
+    still run eagerly. The compiling thread's backend holds the compile open
+    until the eager calls are done."""
+    leaf = _leaf()
+
+    @torchleaf.leaf_function
+    def outer(x, w):
+        return leaf(x, w) + 1
+
+    outer.register_fake(lambda x, w: torch.empty_like(x))
+    compiling, eager_done, errors = threading.Event(), threading.Event(), []
+
+    def waiting_backend(gm, example_inputs):
+        compiling.set()
+        assert eager_done.wait(timeout=120), "the eager thread did not finish"
+        return gm
+
+    def compile_something(_):
+        try:
+            torch.compile(lambda x: x.cos() * 3, backend=waiting_backend)(torch.randn(4))
+        except BaseException as e:
+            errors.append(e)
+
+    def call_eagerly(_):
+        try:
+            assert compiling.wait(timeout=120)
+            assert torch.compiler.is_compiling()  # what made these calls fail
+            x, w = torch.randn(16), torch.randn(16, requires_grad=True)
+            for fn, extra in ((leaf, 0), (outer, 1)):
+                out = fn(x, w)
+                (gw,) = torch.autograd.grad(out.sum(), w)
+                torch.testing.assert_close(out.detach(), torch.tanh(x * w.detach()) * 2 + extra)
+                torch.testing.assert_close(gw, 2 * x * (1 - torch.tanh(x * w.detach()) ** 2))
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            eager_done.set()
+
+    threads = [threading.Thread(target=compile_something, args=(0,)), threading.Thread(target=call_eagerly, args=(0,))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors[0]
+    assert torchleaf.live_states() == 0
+
+
 def test_threads_sharing_a_module_argument():
     """Two threads calling a leaf with the same module: a call swaps the
     module's parameters for its own tensors while its function runs. Without

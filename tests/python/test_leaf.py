@@ -139,6 +139,41 @@ def test_declared_mutation_is_visible_and_undeclared_is_an_error():
         torchleaf.leaf_function(mutates_args={"nope"})(lambda x: x)
 
 
+@pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])
+def test_in_place_changes_under_inference_mode_bump_versions(mode):
+    """Inference mode keeps version counters of normal tensors: the body's
+    in-place change is an error when undeclared, and a declared one makes a
+    graph that saved the tensor refuse to backpropagate, as for plain code."""
+
+    def body(x, buf):
+        buf.add_(1)
+        return x * 2
+
+    def fake(x, buf):
+        return torch.empty_like(x)
+
+    undeclared = torchleaf.leaf_function(body)
+    declared = torchleaf.leaf_function(mutates_args={"buf"})(body)
+    for leaf in (undeclared, declared):
+        leaf.register_fake(fake)
+    if mode != "eager":
+        undeclared = torch.compile(undeclared, backend=mode, fullgraph=True)
+        declared = torch.compile(declared, backend=mode, fullgraph=True)
+
+    buf = torch.zeros(3)
+    with torch.inference_mode(), pytest.raises(LeafFunctionError, match=r"body' mutated its input 1 .*mutates_args"):
+        undeclared(torch.ones(3), buf)
+
+    w = torch.ones(3, requires_grad=True)
+    buf = torch.ones(3)
+    z = (w * buf).sum()  # saves buf
+    with torch.inference_mode():
+        torch.testing.assert_close(declared(torch.ones(3), buf), torch.full((3,), 2.0))
+    assert buf._version > 0 and buf.tolist() == [2.0, 2.0, 2.0]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
+
+
 def test_validate_outputs_names_the_difference():
     @torchleaf.leaf_function
     def f(x):
