@@ -360,15 +360,35 @@ class CallMembership {
   c10::SmallVector<Node*, 16> inside_;
 };
 
+// The error for inputs the body made require grad (the caller's did not).
+std::string requires_grad_set_inside(c10::ArrayRef<size_t> inputs) {
+  std::ostringstream ss;
+  ss << "called requires_grad_() on its input";
+  for (size_t n = 0; n < inputs.size(); ++n) {
+    ss << (n == 0 ? " " : ", ") << inputs[n];
+  }
+  ss << " (flattened position) inside the function. A leaf's inputs are "
+        "differentiable as its caller passes them, and gradients of an input "
+        "that did not require grad have nowhere to go: make the argument "
+        "require grad before calling the leaf, or, for torch.autograd.grad "
+        "inside the function, use x.detach().requires_grad_().";
+  return ss.str();
+}
+
 // Describes the tensors behind an edge that leaves the call: walks on
 // through nodes the call made (w * 2 inside the function) to the tensors
 // that require grad without being inputs -- leaves (AccumulateGrad) and
 // nodes the call did not make (the caller's graph, another thread's).
+// A leaf that is one of the body's own input aliases (`inner`) -- the body
+// called requires_grad_() on an input the caller passed without grad -- goes
+// to `grad_enabled_inputs` by index instead.
 void describe_escaped(
     CallMembership& members,
     const Edge& edge,
+    const TensorList& inner,
     c10::SmallVector<const Node*, 8>& seen,
-    std::vector<std::string>& escaped) {
+    std::vector<std::string>& escaped,
+    std::vector<size_t>& grad_enabled_inputs) {
   c10::SmallVector<const Edge*, 8> stack{&edge};
   while (!stack.empty()) {
     const Edge* e = stack.back();
@@ -379,7 +399,15 @@ void describe_escaped(
     }
     seen.push_back(fn);
     if (const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(fn)) {
-      escaped.push_back(describe(acc->variable.sym_sizes(), acc->variable.scalar_type()));
+      const auto* impl = acc->variable.unsafeGetTensorImpl();
+      const auto input = std::find_if(inner.begin(), inner.end(), [&](const at::Tensor& t) {
+        return t.unsafeGetTensorImpl() == impl;
+      });
+      if (input != inner.end()) {
+        grad_enabled_inputs.push_back(input - inner.begin());
+      } else {
+        escaped.push_back(describe(acc->variable.sym_sizes(), acc->variable.scalar_type()));
+      }
     } else if (members.made_here(fn)) {
       for (const auto& next : fn->next_edges()) {
         stack.push_back(&next);
@@ -402,12 +430,14 @@ void describe_escaped(
 void walk_captured_graph(
     const LeafEntry& entry,
     CapturedState& state,
+    const TensorList& inner,
     uint64_t first_sequence_nr,
     bool report_escaped) {
   state.input_reached.assign(state.input_edges.size(), false);
   state.sink_uses.clear();
   CallMembership members(state, first_sequence_nr);
   std::vector<std::string> escaped;
+  std::vector<size_t> grad_enabled_inputs;
   c10::SmallVector<const Node*, 8> seen;
   // One edge of the call's graph: to a sink, inside, or leaving the call.
   auto visit = [&](Edge& edge) {
@@ -424,7 +454,7 @@ void walk_captured_graph(
       return;
     }
     if (report_escaped) {
-      describe_escaped(members, edge, seen, escaped);
+      describe_escaped(members, edge, inner, seen, escaped, grad_enabled_inputs);
     } else {
       edge = Edge(); // its gradient is simply not computed
     }
@@ -444,6 +474,15 @@ void walk_captured_graph(
     for (auto& next : inside[n]->next_edges()) {
       visit(next);
     }
+  }
+  if (!grad_enabled_inputs.empty()) {
+    std::ostringstream ss;
+    ss << requires_grad_set_inside(grad_enabled_inputs);
+    if (!escaped.empty()) {
+      ss << " It also uses " << escaped.size()
+         << " tensor(s) that require grad but are not among its inputs (closures, globals).";
+    }
+    detail::throw_leaf_error(entry.name, ss.str());
   }
   if (!escaped.empty()) {
     std::ostringstream ss;
@@ -733,7 +772,7 @@ TensorList run_real(
                               : Edge());
     }
     walk_captured_graph(
-        entry, *state, first_sequence_nr, entry.check_escaped_gradients());
+        entry, *state, inner, first_sequence_nr, entry.check_escaped_gradients());
     if (caller_edges != nullptr) {
       // An output computed only from escaped tensors lost its edge; eager
       // outputs keep their own history otherwise, which would still lead
@@ -754,6 +793,18 @@ TensorList run_real(
     const bool report_escaped = !capture && entry.check_escaped_gradients();
     for (auto& out : outputs) {
       if (out.requires_grad()) {
+        if (report_escaped && out.grad_fn() != nullptr) {
+          std::vector<size_t> grad_enabled_inputs;
+          for (size_t i = 0; i < inner.size(); ++i) {
+            if (inner[i].requires_grad()) {
+              grad_enabled_inputs.push_back(i);
+            }
+          }
+          TORCHLEAF_CHECK(
+              grad_enabled_inputs.empty(),
+              entry.name,
+              requires_grad_set_inside(grad_enabled_inputs));
+        }
         // (A leaf tensor made inside the function has no history to lose.)
         TORCHLEAF_CHECK(
             !report_escaped || out.grad_fn() == nullptr,

@@ -187,6 +187,28 @@ TEST(Autograd, EscapedGradientsAreReportedOrIgnored) {
   EXPECT_FALSE(closure.grad().defined()); // not computed, as documented
 }
 
+// The body sees its own alias of each input: requires_grad_() on one the
+// caller passed without grad makes a leaf whose gradient has nowhere to go,
+// named as the input it is, with or without other inputs that require grad.
+TEST(Autograd, AnInputMadeToRequireGradInsideIsNamed) {
+  auto leaf = torchleaf::define_leaf(
+      unique_name("grad_inside"),
+      [](const TensorList& in) {
+        in[1].requires_grad_();
+        return TensorList{in[0] * in[1]};
+      },
+      [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; });
+  const auto w = torch::ones({3});
+  EXPECT_THROW_WITH(
+      leaf({torch::ones({3}, torch::requires_grad(true)), w}),
+      "called requires_grad_() on its input 1 (flattened position) inside the function");
+  EXPECT_THROW_WITH(
+      leaf({torch::ones({3}), w}),
+      "called requires_grad_() on its input 1 (flattened position) inside the function");
+  EXPECT_FALSE(w.requires_grad());
+  EXPECT_EQ(torchleaf::live_states(), 0);
+}
+
 namespace {
 
 // A traced call (torchleaf::forward, then torchleaf::backward), as compiled

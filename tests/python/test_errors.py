@@ -72,6 +72,22 @@ def undeclared_mutation():
     torchleaf.leaf_function(bump)(torch.ones(2))
 
 
+def input_made_to_require_grad():
+    def scale(x, w):
+        w.requires_grad_()  # the caller's w does not require grad
+        return x * w
+
+    torchleaf.leaf_function(scale)(torch.ones(2, requires_grad=True), torch.ones(2))
+
+
+def input_made_to_require_grad_no_grad_inputs():
+    def scale(x, w):
+        w.requires_grad_()
+        return x * w
+
+    torchleaf.leaf_function(scale)(torch.ones(2), torch.ones(2))
+
+
 def unknown_mutates_args():
     torchleaf.leaf_function(mutates_args={"buffer"})(lambda x, buf: x)
 
@@ -185,6 +201,8 @@ CASES = [
     (fake_wrong_in_compiled_graph, LeafFunctionError, r"output 0 has 1-d shape \[3\] but the fake implementation "
      r"returned 2-d shape \[2, 3\] when the graph was traced\. .*Fix the fake implementation"),
     (undeclared_mutation, LeafFunctionError, r"mutated its input 0 .* in place without declaring it"),
+    (input_made_to_require_grad, LeafFunctionError, r"called requires_grad_\(\) on its input 1 \(flattened position\) inside the function\. .*make the argument require grad before calling the leaf"),
+    (input_made_to_require_grad_no_grad_inputs, LeafFunctionError, r"called requires_grad_\(\) on its input 1 \(flattened"),
     (unknown_mutates_args, LeafFunctionError, r"mutates_args=\['buffer'\], which is not a parameter"),
     (escaped_gradients, LeafFunctionError, r"uses 1 tensor\(s\) that require grad but are not among its inputs"),
     (real_returns_non_tensor_for_traced_call, LeafFunctionError, r"returned a different output structure"),
