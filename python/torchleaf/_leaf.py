@@ -551,7 +551,7 @@ def _encode(leaf, obj, tensors, traced=None):
         # its children, rebuilt by its unflatten function with this context.
         values, context = node.flatten_fn(obj)
         cls = type(obj)
-        key = f"{_type_key(cls)}{context!r}"
+        key = f"{_type_key(cls)} with context {context!r}"
         build = leaf._output_types.get(key)
         if build is None:
             build = leaf._output_types[key] = _rebuilder(node.unflatten_fn, context)
@@ -664,10 +664,29 @@ def _show(desc):
     return f"({inner})" if kind == _OUT_TUPLE else f"[{inner}]"
 
 
+def _typed_keys(desc):
+    """The keys of a description's typed containers, depth first: what
+    tells containers apart that _show prints alike (a deque's maxlen, a
+    registered node's context)."""
+    kind = desc[0]
+    if kind == _OUT_TENSOR or kind == _OUT_INT or kind == _OUT_CONST:
+        return
+    if kind in (_OUT_NAMEDTUPLE, _OUT_TYPED_TUPLE, _OUT_TYPED_DICT):
+        yield desc[3]
+    for d in desc[1] if kind == _OUT_TUPLE or kind == _OUT_LIST else desc[2]:
+        yield from _typed_keys(d)
+
+
 def _structure_mismatch(leaf, real, fake):
+    real_text, fake_text = _show(real), _show(fake)
+    if real_text == fake_text:
+        for r, f in itertools.zip_longest(_typed_keys(real), _typed_keys(fake)):
+            if r != f:
+                real_text, fake_text = f"{real_text}: {r}", f"{fake_text}: {f}"
+                break
     return LeafFunctionError(
         f"torchleaf: leaf function '{leaf._name}' returned a different output structure than "
-        f"its fake implementation.\n  real: {_show(real)}\n  fake: {_show(fake)}\n"
+        f"its fake implementation.\n  real: {real_text}\n  fake: {fake_text}\n"
         f"Make the fake return the same pytree structure as the real function."
     )
 

@@ -279,6 +279,14 @@ def test_registered_pytree_outputs(backend):
                                torch.autograd.grad(loss(*expected), x))
 
 
+def test_a_registered_pytree_context_mismatch_shows_both_contexts():
+    leaf = _leaf(lambda x: collections.deque([x * 2], maxlen=3),
+                 lambda x: collections.deque([torch.empty_like(x)], maxlen=2))
+    with pytest.raises(LeafFunctionError, match=r"real: deque\(Tensor\): collections.deque with context 3\n"
+                                                r"  fake: deque\(Tensor\): collections.deque with context 2"):
+        torch.compile(leaf, backend="aot_eager", fullgraph=True)(torch.ones(2))
+
+
 def test_inference_tensors():
     def double(x):
         return x * 2
