@@ -28,6 +28,7 @@ import itertools
 import json
 import operator
 import os
+import re
 import threading
 import weakref
 
@@ -1662,7 +1663,11 @@ class LeafFunction:
                 f"tell its parameters (inspect.signature fails); wrap it in a def with named "
                 f"parameters."
             )
-        unknown = self._mutates_args - set(self._signature.parameters if self._signature else ())
+        # name -> (parameter, path): a parameter, or an expression into one.
+        self._mutated_paths = {e: _parse_mutated_expression(self._name, e) for e in self._mutates_args}
+        unknown = {root for root, _ in self._mutated_paths.values()} - set(
+            self._signature.parameters if self._signature else ()
+        )
         if unknown:
             raise LeafFunctionError(
                 f"torchleaf: leaf function '{self._name}' declares mutates_args={sorted(unknown)}, "
@@ -1706,9 +1711,23 @@ class LeafFunction:
         """Set the fake implementation: same signature, returns outputs with the
         real function's structure, shapes, dtypes and devices (use
         ``torch.empty``/``new_empty``; data-dependent sizes may come from
-        ``nonzero()`` or ``torch.library.get_ctx().new_dynamic_size()``)."""
+        ``nonzero()`` or ``torch.library.get_ctx().new_dynamic_size()``).
+        Returns the leaf, as PyTorch's built-in ``leaf_function`` does: a fake
+        decorated under the leaf's own name (``@f.register_fake`` over
+        ``def f``) keeps ``f`` the leaf."""
         self._fake = fake
-        return fake
+        return self
+
+    def register_multi_grad_hook(self, hook):
+        """Not supported: a clear error where PyTorch's built-in leaf_function
+        takes a hook run with the gradients of the call's inputs."""
+        raise LeafFunctionError(
+            f"torchleaf: leaf function '{self._name}' cannot take a multi-grad hook: "
+            f"register_multi_grad_hook of PyTorch's built-in leaf_function is not supported. Call "
+            f"torch.autograd.graph.register_multi_grad_hook(inputs, hook) on the inputs that "
+            f"require grad where the leaf is called (outside a compiled region), or return the "
+            f"values the hook needs as outputs."
+        )
 
     def __get__(self, obj, objtype=None):
         if obj is None:
@@ -1737,9 +1756,10 @@ class LeafFunction:
         args, kwargs = pytree.tree_unflatten(marked, spec)
         bound = self._signature.bind(*args, **kwargs)
         ids = set()
-        for name in self._mutates_args:
-            if name in bound.arguments:
-                ids.update(id(x) for x in pytree.tree_leaves(bound.arguments[name]))
+        for root, path in self._mutated_paths.values():
+            if root in bound.arguments:
+                value = _follow_mutated_path(self._name, bound.arguments[root], path, marked)
+                ids.update(id(x) for x in pytree.tree_leaves(value))
         return frozenset(i for i, m in enumerate(marked) if id(m) in ids)
 
     def _argument_at(self, spec, pos):
@@ -2100,6 +2120,50 @@ def _function_name(fn):
     return f"{module}.{name}" + (" (partial)" if target is not fn else "")
 
 
+_MUTATED_STEP = re.compile(r"\.([A-Za-z_]\w*)|\[(-?\d+)\]|\[(['\"])(.*?)\3\]")
+
+
+def _parse_mutated_expression(leaf_name, expr):
+    """``'buf'``, ``'state["key"]'``, ``'buffers[0]'``, ``'model.running_mean'``
+    (the expressions PyTorch's built-in leaf_function takes) -> (parameter,
+    steps), each step ("attr", name) or ("item", key)."""
+    root = re.match(r"[A-Za-z_]\w*", expr)
+    steps, pos = [], root.end() if root else 0
+    while root and pos < len(expr):
+        m = _MUTATED_STEP.match(expr, pos)
+        if m is None:
+            break
+        attr, index, _, key = m.groups()
+        steps.append(("attr", attr) if attr else ("item", int(index) if index is not None else key))
+        pos = m.end()
+    if root is None or pos != len(expr):
+        raise LeafFunctionError(
+            f"torchleaf: leaf function '{leaf_name}' declares mutates_args entry {expr!r}, which "
+            f"is not a parameter name or an expression into one ('buf', 'buffers[0]', "
+            f"'state[\"key\"]', 'model.running_mean')."
+        )
+    return root.group(0), tuple(steps)
+
+
+def _follow_mutated_path(leaf_name, value, path, flat_markers):
+    """What a mutates_args expression names in a call's arguments, whose
+    flat leaves are markers. A path that goes on into a flat leaf (a module's
+    buffer: 'model.running_mean') names that leaf: a module named in
+    mutates_args may change any of its buffers."""
+    for kind, key in path:
+        if any(value is m for m in flat_markers):
+            return value
+        try:
+            value = getattr(value, key) if kind == "attr" else value[key]
+        except (AttributeError, LookupError, TypeError):
+            step = f".{key}" if kind == "attr" else f"[{key!r}]"
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{leaf_name}' declares a mutates_args expression whose "
+                f"step {step} does not exist in this call's arguments (a {type(value).__name__})."
+            ) from None
+    return value
+
+
 class _BoundLeaf:
     """A leaf used as a method, bound to its instance (a plain callable
     object: Dynamo traces its call, where it cannot call a bound
@@ -2113,6 +2177,10 @@ class _BoundLeaf:
 
     def __call__(self, *args, **kwargs):
         return self.__func__(self.__self__, *args, **kwargs)
+
+    def register_fake(self, fake):
+        """``obj.method.register_fake``: the leaf's own (LeafFunction.register_fake)."""
+        return self.__func__.register_fake(fake)
 
     def __repr__(self):
         return f"<bound leaf function {self.__func__._name} of {self.__self__!r}>"

@@ -88,6 +88,11 @@ def input_made_to_require_grad_no_grad_inputs():
     torchleaf.leaf_function(scale)(torch.ones(2), torch.ones(2))
 
 
+def multi_grad_hook():
+    leaf = leaf_with_fake(lambda x: x * 2, torch.empty_like)
+    leaf.register_multi_grad_hook(lambda *grads: None)
+
+
 def unknown_mutates_args():
     torchleaf.leaf_function(mutates_args={"buffer"})(lambda x, buf: x)
 
@@ -203,6 +208,7 @@ CASES = [
     (undeclared_mutation, LeafFunctionError, r"mutated its input 0 .* in place without declaring it"),
     (input_made_to_require_grad, LeafFunctionError, r"called requires_grad_\(\) on its input 1 \(flattened position\) inside the function\. .*make the argument require grad before calling the leaf"),
     (input_made_to_require_grad_no_grad_inputs, LeafFunctionError, r"called requires_grad_\(\) on its input 1 \(flattened"),
+    (multi_grad_hook, LeafFunctionError, r"cannot take a multi-grad hook: register_multi_grad_hook .* is not supported"),
     (unknown_mutates_args, LeafFunctionError, r"mutates_args=\['buffer'\], which is not a parameter"),
     (escaped_gradients, LeafFunctionError, r"uses 1 tensor\(s\) that require grad but are not among its inputs"),
     (real_returns_non_tensor_for_traced_call, LeafFunctionError, r"returned a different output structure"),

@@ -113,6 +113,31 @@ def test_methods_of_modules():
     b = Block()
     x = torch.randn(3, 2)
     torch.testing.assert_close(b(x), b.lin(x).relu())
+    # Through an instance too, as PyTorch's built-in leaf_function allows.
+    assert b.forward.register_fake(lambda self, x: x.new_empty(x.shape[0], 2)) is Block.forward
+    compiled = torch.compile(b, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), b.lin(x).relu())
+
+
+def test_register_fake_returns_the_leaf():
+    """As PyTorch's built-in leaf_function: a fake decorated under the
+    leaf's own name leaves the name bound to the leaf, whose real function
+    then still runs."""
+    ran = []
+
+    @torchleaf.leaf_function
+    def g(x):
+        ran.append("real")
+        return x + 2
+
+    @g.register_fake
+    def g(x):  # noqa: F811 -- the pattern this supports
+        return torch.empty_like(x)
+
+    assert isinstance(g, torchleaf.LeafFunction)
+    torch.testing.assert_close(g(torch.ones(2)), torch.full((2,), 3.0))
+    torch.testing.assert_close(torch.compile(g, backend="aot_eager", fullgraph=True)(torch.ones(2)), torch.full((2,), 3.0))
+    assert ran == ["real", "real"]
 
 
 def test_declared_mutation_is_visible_and_undeclared_is_an_error():
@@ -137,6 +162,46 @@ def test_declared_mutation_is_visible_and_undeclared_is_an_error():
 
     with pytest.raises(LeafFunctionError, match=r"mutates_args=\['nope'\], which is not a parameter"):
         torchleaf.leaf_function(mutates_args={"nope"})(lambda x: x)
+
+
+@pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])
+def test_mutates_args_expressions_name_parts_of_arguments(mode):
+    """The expressions PyTorch's built-in leaf_function takes: a list item,
+    a dict entry, a module's buffer (which declares the module's buffers).
+    What they do not name stays checked."""
+
+    @torchleaf.leaf_function(mutates_args={"buffers[0]", 'state["count"]', "bn.running_mean"})
+    def step(x, buffers, state, bn):
+        buffers[0].add_(1)
+        state["count"].add_(1)
+        bn.running_mean.add_(1)
+        return x * 2 + buffers[1]
+
+    step.register_fake(lambda x, buffers, state, bn: torch.empty_like(x))
+
+    @torchleaf.leaf_function(mutates_args={"buffers[0]"})
+    def sneaky(x, buffers):
+        buffers[1].add_(1)
+        return x * 2
+
+    sneaky.register_fake(lambda x, buffers: torch.empty_like(x))
+    if mode != "eager":
+        step = torch.compile(step, backend=mode, fullgraph=True)
+    buffers, state, bn = [torch.zeros(3), torch.ones(3)], {"count": torch.zeros(())}, nn.BatchNorm1d(3)
+    x = torch.randn(3, requires_grad=True)
+    for calls in (1, 2):
+        out = step(x, buffers, state, bn)
+        torch.testing.assert_close(out, x * 2 + 1)
+        assert buffers[0].tolist() == [calls] * 3 and state["count"].item() == calls
+        assert bn.running_mean.tolist() == [calls] * 3 and buffers[1].tolist() == [1.0] * 3
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(gx, torch.full((3,), 2.0))
+    with pytest.raises(LeafFunctionError, match=r"sneaky' mutated its input 1 .*mutates_args"):
+        sneaky(x, buffers)
+    with pytest.raises(LeafFunctionError, match=r"mutates_args entry 'buffers\[0'"):
+        torchleaf.leaf_function(mutates_args={"buffers[0"})(lambda x, buffers: x)
+    with pytest.raises(LeafFunctionError, match=r"step \['missing'\] does not exist"):
+        torchleaf.leaf_function(mutates_args={"state['missing']"})(lambda x, state: x)(x, {"count": x})
 
 
 @pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])
