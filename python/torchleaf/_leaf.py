@@ -2196,7 +2196,10 @@ def leaf_function(fn=None, *, mutates_args=(), validate_outputs=None, check_esca
 
     Args:
         mutates_args: names of parameters whose tensors the function mutates
-            in place (they must not require grad).
+            in place (they must not require grad), or expressions into them
+            as PyTorch's built-in leaf_function takes: ``"buffers[0]"``,
+            ``'state["key"]'``, ``"model.running_mean"`` (a path into a module
+            declares its buffers).
         validate_outputs, check_escaped_gradients: per-leaf overrides of the
             flags in :mod:`torchleaf.config`.
         name: ``"namespace::name"``: the leaf is also the operator
