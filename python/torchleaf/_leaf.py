@@ -1771,8 +1771,9 @@ class LeafFunction:
         except (AttributeError, TypeError):  # no signature, or the call does not match it
             bound = {}
         for name, value in bound.items():
-            if any(x is marked[pos] for x in pytree.tree_leaves(value)):
-                return repr(name)
+            for path, x in pytree.tree_flatten_with_path(value)[0]:
+                if x is marked[pos]:
+                    return repr(name + pytree.keystr(path))  # 'state["a"]' where one is inside
         return f"flat argument {pos}"
 
     def _plan_from_key(self, spec, key, mode, autocast=None):
@@ -2154,6 +2155,8 @@ def _follow_mutated_path(leaf_name, value, path, flat_markers):
         if any(value is m for m in flat_markers):
             return value
         try:
+            if kind == "item" and isinstance(value, dict) and key not in value:
+                raise KeyError(key)  # (a defaultdict would make the entry)
             value = getattr(value, key) if kind == "attr" else value[key]
         except (AttributeError, LookupError, TypeError):
             step = f".{key}" if kind == "attr" else f"[{key!r}]"
@@ -2181,6 +2184,10 @@ class _BoundLeaf:
     def register_fake(self, fake):
         """``obj.method.register_fake``: the leaf's own (LeafFunction.register_fake)."""
         return self.__func__.register_fake(fake)
+
+    def register_multi_grad_hook(self, hook):
+        """The leaf's own: a clear error (LeafFunction.register_multi_grad_hook)."""
+        return self.__func__.register_multi_grad_hook(hook)
 
     def __repr__(self):
         return f"<bound leaf function {self.__func__._name} of {self.__self__!r}>"

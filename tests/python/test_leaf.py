@@ -202,6 +202,13 @@ def test_mutates_args_expressions_name_parts_of_arguments(mode):
         torchleaf.leaf_function(mutates_args={"buffers[0"})(lambda x, buffers: x)
     with pytest.raises(LeafFunctionError, match=r"step \['missing'\] does not exist"):
         torchleaf.leaf_function(mutates_args={"state['missing']"})(lambda x, state: x)(x, {"count": x})
+    with pytest.raises(LeafFunctionError, match=r"step \['missing'\] does not exist .*defaultdict"):
+        torchleaf.leaf_function(mutates_args={"state['missing']"})(lambda x, state: x)(
+            x, collections.defaultdict(list))
+    t = torch.zeros(3)
+    with pytest.raises(LeafFunctionError, match=r"as argument \"state\['b'\]\", which it reads, and as argument "
+                                                r"\"state\['a'\]\", which it mutates"):
+        torchleaf.leaf_function(mutates_args={'state["a"]'})(lambda x, state: x)(x, {"a": t, "b": t})
 
 
 @pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])
