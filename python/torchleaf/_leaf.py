@@ -758,7 +758,7 @@ def _new_order_token():
 
 # Dynamo guards each global that traced code reads, and each attribute on
 # the way, on every call of a compiled frame: one global each instead of
-# torch.compiler.is_compiling's chain of three and torch.ops.torchleaf.call's
+# torch.compiler.is_dynamo_compiling's chain of three and torch.ops.torchleaf.call's
 # four.
 # is_dynamo_compiling, not is_compiling: torch 2.13's is_compiling reads a
 # process-wide flag that is set while any thread compiles, and an eager call
