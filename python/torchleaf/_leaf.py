@@ -19,6 +19,7 @@ Calls come in two forms, sharing plans and the rebuild code:
   same structure.
 """
 
+import ast
 import collections
 import contextlib
 import functools
@@ -2121,7 +2122,7 @@ def _function_name(fn):
     return f"{module}.{name}" + (" (partial)" if target is not fn else "")
 
 
-_MUTATED_STEP = re.compile(r"\.([A-Za-z_]\w*)|\[(-?\d+)\]|\[(['\"])(.*?)\3\]")
+_MUTATED_STEP = re.compile(r"\.([A-Za-z_]\w*)|\[(-?\d+)\]|\[('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\]")
 
 
 def _parse_mutated_expression(leaf_name, expr):
@@ -2134,8 +2135,8 @@ def _parse_mutated_expression(leaf_name, expr):
         m = _MUTATED_STEP.match(expr, pos)
         if m is None:
             break
-        attr, index, _, key = m.groups()
-        steps.append(("attr", attr) if attr else ("item", int(index) if index is not None else key))
+        attr, index, quoted = m.groups()
+        steps.append(("attr", attr) if attr else ("item", int(index) if index is not None else ast.literal_eval(quoted)))
         pos = m.end()
     if root is None or pos != len(expr):
         raise LeafFunctionError(

@@ -198,6 +198,15 @@ def test_mutates_args_expressions_name_parts_of_arguments(mode):
     torch.testing.assert_close(gx, torch.full((3,), 2.0))
     with pytest.raises(LeafFunctionError, match=r"sneaky' mutated its input 1 .*mutates_args"):
         sneaky(x, buffers)
+    @torchleaf.leaf_function(mutates_args={'state["a\\"b"]'})  # an escaped quote in the key
+    def quoted(x, state):
+        state['a"b'].add_(1)
+        return x * 2
+
+    quoted.register_fake(lambda x, state: torch.empty_like(x))
+    counter = torch.zeros(())
+    quoted(x, {'a"b': counter})
+    assert counter.item() == 1
     with pytest.raises(LeafFunctionError, match=r"mutates_args entry 'buffers\[0'"):
         torchleaf.leaf_function(mutates_args={"buffers[0"})(lambda x, buffers: x)
     with pytest.raises(LeafFunctionError, match=r"step \['missing'\] does not exist"):
