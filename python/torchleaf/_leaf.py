@@ -471,13 +471,28 @@ def _rebuilt_exactly(obj, cls, base):
     )
 
 
-def _traced_children(traced, kind, n):
+def _children(desc):
+    """A container description's child descriptions."""
+    kind = desc[0]
+    return desc[1] if kind == _OUT_TUPLE or kind == _OUT_LIST else desc[2]
+
+
+def _traced_children(traced, kind, n, keys=None):
     """The traced description's children, where it describes a container of
-    `kind` (a kind of `_encode`'s containers) with `n` of them."""
-    if traced is None or traced[0] != kind:
-        return (None,) * n
-    children = traced[1] if kind == _OUT_TUPLE or kind == _OUT_LIST else traced[2]
-    return children if len(children) == n else (None,) * n
+    `kind` (a kind of `_encode`'s containers) with `n` of them (and, for a
+    dict, these `keys`); else None."""
+    if traced is None or traced[0] != kind or (keys is not None and traced[1] != keys):
+        return None
+    children = _children(traced)
+    return children if len(children) == n else None
+
+
+def _encode_all(leaf, values, tensors, subs):
+    """_encode of each of `values`, with its traced description from `subs`
+    (_traced_children) where there is one."""
+    if subs is None:
+        return tuple(_encode(leaf, x, tensors) for x in values)
+    return tuple(_encode(leaf, x, tensors, t) for x, t in zip(values, subs))
 
 
 def _encode(leaf, obj, tensors, traced=None):
@@ -504,11 +519,7 @@ def _encode(leaf, obj, tensors, traced=None):
         if cls is not tuple and not hasattr(obj, "_fields") and not _rebuilt_exactly(obj, cls, tuple):
             cls = tuple  # returned as a plain tuple
         kind = _OUT_TUPLE if cls is tuple else _OUT_NAMEDTUPLE if hasattr(obj, "_fields") else _OUT_TYPED_TUPLE
-        if traced is None:
-            children = tuple(_encode(leaf, x, tensors) for x in obj)
-        else:
-            subs = _traced_children(traced, kind, len(obj))
-            children = tuple(_encode(leaf, x, tensors, t) for x, t in zip(obj, subs))
+        children = _encode_all(leaf, obj, tensors, _traced_children(traced, kind, len(obj)))
         if cls is tuple:
             return (_OUT_TUPLE, children)
         key = _type_key(cls)
@@ -521,21 +532,14 @@ def _encode(leaf, obj, tensors, traced=None):
             return (_OUT_NAMEDTUPLE, cls, children, key)
         return (_OUT_TYPED_TUPLE, cls, children, key, cls)  # built from one sequence
     if isinstance(obj, list):
-        if traced is None:
-            return (_OUT_LIST, tuple(_encode(leaf, x, tensors) for x in obj))
-        subs = _traced_children(traced, _OUT_LIST, len(obj))
-        return (_OUT_LIST, tuple(_encode(leaf, x, tensors, t) for x, t in zip(obj, subs)))
+        return (_OUT_LIST, _encode_all(leaf, obj, tensors, _traced_children(traced, _OUT_LIST, len(obj))))
     if isinstance(obj, dict):
         cls = type(obj)
         if cls is not dict and not _rebuilt_exactly(obj, cls, dict):
             cls = dict  # returned as a plain dict
         keys = tuple(obj.keys())
-        if traced is None:
-            children = tuple(_encode(leaf, x, tensors) for x in obj.values())
-        else:
-            same_keys = traced[0] in (_OUT_DICT, _OUT_TYPED_DICT) and traced[1] == keys
-            subs = _traced_children(traced, _OUT_DICT if cls is dict else _OUT_TYPED_DICT, len(keys))
-            children = tuple(_encode(leaf, x, tensors, t if same_keys else None) for x, t in zip(obj.values(), subs))
+        kind = _OUT_DICT if cls is dict else _OUT_TYPED_DICT
+        children = _encode_all(leaf, obj.values(), tensors, _traced_children(traced, kind, len(keys), keys))
         if cls is dict:
             return (_OUT_DICT, keys, children)
         if cls is collections.defaultdict:
@@ -557,11 +561,7 @@ def _encode(leaf, obj, tensors, traced=None):
         build = leaf._output_types.get(key)
         if build is None:
             build = leaf._output_types[key] = _rebuilder(node.unflatten_fn, context)
-        subs = _traced_children(traced, _OUT_TYPED_TUPLE, len(values)) if traced is not None else None
-        if subs is None:
-            children = tuple(_encode(leaf, x, tensors) for x in values)
-        else:
-            children = tuple(_encode(leaf, x, tensors, t) for x, t in zip(values, subs))
+        children = _encode_all(leaf, values, tensors, _traced_children(traced, _OUT_TYPED_TUPLE, len(values)))
         return (_OUT_TYPED_TUPLE, cls, children, key, build)
     return (_OUT_CONST, obj)
 
@@ -645,8 +645,7 @@ def _has_int_carriers(desc):
         return True
     if kind == _OUT_TENSOR or kind == _OUT_CONST:
         return False
-    children = desc[1] if kind == _OUT_TUPLE or kind == _OUT_LIST else desc[2]
-    return any(map(_has_int_carriers, children))
+    return any(map(_has_int_carriers, _children(desc)))
 
 
 def _show(desc):
@@ -675,7 +674,7 @@ def _typed_keys(desc):
         return
     if kind in (_OUT_NAMEDTUPLE, _OUT_TYPED_TUPLE, _OUT_TYPED_DICT):
         yield desc[3]
-    for d in desc[1] if kind == _OUT_TUPLE or kind == _OUT_LIST else desc[2]:
+    for d in _children(desc):
         yield from _typed_keys(d)
 
 
