@@ -43,6 +43,8 @@ STAGES = (
     ("inductor step: torchleaf", "compiled(inductor) fwd+bwd, leaf function"),
     ("inference step: custom_op", "compiled forward without gradients, torch.library.custom_op"),
     ("inference step: torchleaf", "compiled forward without gradients, leaf function"),
+    ("grad forward step: custom_op", "compiled forward recording gradients, outputs dropped, torch.library.custom_op"),
+    ("grad forward step: torchleaf", "compiled forward recording gradients, outputs dropped, leaf function"),
     ("eager step: plain", "eager fwd+bwd of the inline body"),
     ("eager step: torchleaf", "eager fwd+bwd, leaf function"),
     ("forward op", "torchleaf.forward as the graph calls it"),
@@ -69,6 +71,10 @@ def _stage_callable(name):
         compiled = torch.compile(lambda x: fn(x).sum(), backend="aot_eager", fullgraph=True)
         xd = x.detach()
         return lambda: compiled(xd)
+    if name.startswith("grad forward step: "):
+        fn = {"custom_op": custom, "torchleaf": leaf}[name[len("grad forward step: "):]]
+        compiled = torch.compile(lambda x: fn(x).sum(), backend="aot_eager", fullgraph=True)
+        return lambda: compiled(x)
     if "step: " in name and not name.startswith("eager"):
         backend = "inductor" if name.startswith("inductor") else "aot_eager"
         fn = {"plain": body, "custom_op": custom, "torchleaf": leaf}[name.split("step: ")[1]]

@@ -27,6 +27,7 @@ import instructions
 import module_args
 import overhead
 import report
+import structure
 import time_shares
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -110,6 +111,9 @@ def main():
     log("Seam, capture and replay (python benchmarks/capture_split.py runs only this)")
     split = capture_split.run(quick=args.quick, log=log)
 
+    log("Calls per graph, and a leaf's structure built from custom_op (python benchmarks/structure.py runs only this)")
+    structure_result = structure.run(quick=args.quick, log=log)
+
     if args.quick:
         counts = by_library = None  # minutes under valgrind and perf: full runs only
     else:
@@ -131,6 +135,7 @@ def main():
                 "instructions": counts,
                 "time_by_library": by_library,
                 "capture_split": split,
+                "structure": structure_result,
             }, f, indent=1)
     else:
         md_path, plot_path = os.path.join(ROOT, "BENCHMARKS.md"), os.path.join(ROOT, "docs", "overhead.png")
@@ -157,6 +162,7 @@ def main():
         instructions=counts,
         by_library=by_library,
         split=split,
+        structure=structure_result,
     )
     with open(md_path, "w") as f:
         f.write(text)

@@ -30,6 +30,14 @@ def test_quick_benchmark_run(tmp_path):
     split_rows = [line for line in table.splitlines() if line.startswith(("| aot_eager | forward", "| inductor | forward"))]
     assert len(split_rows) == 6, table
     assert "- inductor: the seam" in table
+    # Calls per graph (custom_op and torchleaf, both backends) and the
+    # structure rows, with the derived per-call and per-step figures.
+    for backend in ("aot_eager", "inductor"):
+        for impl in ("custom_op", "torchleaf"):
+            assert any(line.startswith(f"| {backend} | {impl} | ") and line.count("|") == 8
+                       for line in table.splitlines()), table
+        assert f"- {backend}: each call after the first, torchleaf" in table
+        assert f"| {backend} | torchleaf, order token not stored" in table
     assert (tmp_path / "overhead.png").stat().st_size > 0
     assert (tmp_path / "results.json").exists()
 
