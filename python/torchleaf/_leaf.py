@@ -820,10 +820,10 @@ class _Plan:
 
     __slots__ = (
         "index", "spec", "template", "slots", "mutated", "ordered", "positional", "out",
-        "out_plain", "out_from_real", "out_carries", "autocast", "out_dtypes",
+        "out_plain", "out_from_real", "out_carries", "autocast", "out_dtypes", "grad",
     )
 
-    def __init__(self, index, spec, template, slots, mutated, mode, positional, autocast=None):
+    def __init__(self, index, spec, template, slots, mutated, mode, positional, autocast=None, grad=False):
         self.index = index
         self.spec = spec
         # The flat arguments with baked constants (traced plans) and None
@@ -843,6 +843,10 @@ class _Plan:
         # Compiled plans traced under autocast: the fake's output dtypes,
         # which the real outputs must have.
         self.out_dtypes = None
+        # Compiled plans: whether grad mode was on where the call was traced
+        # (Dynamo guards it), so that the real function runs with it on as
+        # it would in eager code (_run_real).
+        self.grad = grad
 
     def takes_token(self, n_inputs):
         """Whether a call whose ``inputs`` hold ``n_inputs`` tensors ends them
@@ -1175,6 +1179,10 @@ def _check_autocast_dtypes(leaf, plan, flat):
 
 
 _is_any_autocast_enabled = torch._C._is_any_autocast_enabled
+_is_grad_enabled = torch.is_grad_enabled
+# torch.set_grad_enabled as a function builds a context-manager object in
+# Python (~5k instructions per call and back); this is what it calls.
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 def _live_leaf(leaf_ref):
@@ -1191,6 +1199,15 @@ def _run_real(leaf_ref, plan_index, tensors, arguments):
     if leaf is None:
         _live_leaf(leaf_ref)  # raises
     plan = leaf._plans[plan_index]
+    # Traced where grad mode was on, run where it is off: AOTAutograd runs a
+    # graph none of whose inputs requires grad, and a training graph's
+    # forward, with grad mode off. The function runs as in eager code:
+    # autograd inside it works, and an output computed from a closure that
+    # requires grad is reported (the core's escaped-gradient check) instead
+    # of losing its gradient silently. (Capturing calls have it on already.)
+    grad_off = plan.grad and not _is_grad_enabled()
+    if grad_off:
+        _set_grad_enabled(True)
     try:
         if plan.ordered:
             if plan.positional and plan.autocast is None and not _is_any_autocast_enabled():
@@ -1205,6 +1222,9 @@ def _run_real(leaf_ref, plan_index, tensors, arguments):
     except BaseException as e:
         _add_note(e, f"raised inside the real function of leaf function '{leaf._name}'")
         raise
+    finally:
+        if grad_off:
+            _set_grad_enabled(False)
     if isinstance(out, _Tensor) and plan.out is _SINGLE and plan.out_dtypes is None:
         # One tensor, as traced: _flatten_output's and check_output's answer.
         return ([out, None] if plan.ordered else [out]), _SINGLE
@@ -1420,10 +1440,10 @@ def _intern_for_compile(leaf, skeleton, structures, *objects):
                 f"graph keeps non-tensor arguments as constants. Pass it as a tensor (e.g. "
                 f"torch.as_tensor(x)) or make it hashable."
             ) from None
-    # The autocast state here, at trace time, is the call's: Dynamo enters an
-    # autocast context of the traced code for real while tracing, and guards
-    # the compiled code on the ambient one.
-    plan = leaf._plan_from_key(spec, key, _COMPILED, _autocast_state())
+    # The autocast state and the grad mode here, at trace time, are the
+    # call's: Dynamo enters the traced code's autocast and grad mode contexts
+    # for real while tracing, and guards the compiled code on the ambient ones.
+    plan = leaf._plan_from_key(spec, key, _COMPILED, _autocast_state(), torch.is_grad_enabled())
     return leaf._id, plan.index, plan.slots, plan.mutated
 
 
@@ -1458,7 +1478,7 @@ def _order_decisions(mutates):
 def _positional_plan(leaf, n):
     """The compiled plan of ``leaf(t1, ..., tn)`` with tensors only."""
     spec = pytree.tree_structure((tuple(range(n)), {}))
-    return leaf._plan_from_key(spec, (_TENSOR,) * n, _COMPILED, _autocast_state())
+    return leaf._plan_from_key(spec, (_TENSOR,) * n, _COMPILED, _autocast_state(), torch.is_grad_enabled())
 
 
 @torch._dynamo.assume_constant_result
@@ -1776,12 +1796,13 @@ class LeafFunction:
                     return repr(name + pytree.keystr(path))  # 'state["a"]' where one is inside
         return f"flat argument {pos}"
 
-    def _plan_from_key(self, spec, key, mode, autocast=None):
+    def _plan_from_key(self, spec, key, mode, autocast=None, grad=False):
         """The plan for a call key: per flat argument _TENSOR, a module
         structure tuple (tagged "module"), _INT/_NEGATIVE_INT, or the constant
         itself (traced plans; eager keys hold None for constants). Compiled
-        plans also key on the autocast state they were traced under."""
-        full_key = (mode, spec, key, autocast)
+        plans also key on the autocast state and the grad mode they were
+        traced under."""
+        full_key = (mode, spec, key, autocast, grad)
         plan = self._plan_index.get(full_key)
         if plan is not None:
             return plan
@@ -1821,7 +1842,7 @@ class LeafFunction:
             index = _fingerprint(full_key)
             while index in self._plans:  # two call structures that print alike
                 index = (index + 1) & _FINGERPRINT_MASK
-            plan = _Plan(index, spec, tuple(template), tuple(slots), tuple(mutated), mode, positional, autocast)
+            plan = _Plan(index, spec, tuple(template), tuple(slots), tuple(mutated), mode, positional, autocast, grad)
             self._plans[index] = plan
             self._plan_index[full_key] = plan
             return plan

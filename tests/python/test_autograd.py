@@ -520,6 +520,89 @@ def test_closure_gradients_without_differentiable_inputs_are_an_error():
     assert not makes_a_parameter(x).requires_grad
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_compiled_closure_gradients_without_differentiable_inputs_are_an_error(backend):
+    """As in eager (above), under every backend. AOTAutograd runs a graph
+    none of whose inputs requires grad, and the forward of a training graph,
+    with grad mode off: a call traced with grad mode on runs its function
+    with it on, so that an output computed from a closure that requires grad
+    is reported instead of losing its gradient silently."""
+    torch._dynamo.reset()
+    w = torch.randn(3, requires_grad=True)
+    calls = []
+
+    @torchleaf.leaf_function
+    def scales(x):
+        calls.append(1)
+        return x * w
+
+    scales.register_fake(torch.empty_like)
+    x, y = torch.randn(3), torch.randn(3, requires_grad=True)
+    message = r"scales' returned an output that requires grad although none of its inputs does"
+
+    inference = torch.compile(lambda x: scales(x).sum(), backend=backend, fullgraph=True)
+    with pytest.raises(LeafFunctionError, match=message):
+        inference(x)
+    # In a training graph (another input requires grad), the leaf's inputs
+    # still do not.
+    training = torch.compile(lambda x, y: scales(x).sum() + (y * 2).sum(), backend=backend, fullgraph=True)
+    with pytest.raises(LeafFunctionError, match=message):
+        training(x, y)
+
+    with torch.no_grad():  # no gradient wanted: fine, as in eager
+        torch.testing.assert_close(inference(x), (x * w).sum())
+
+    def no_grad_inside(x):
+        with torch.no_grad():
+            return scales(x)
+
+    torch.testing.assert_close(torch.compile(no_grad_inside, backend=backend, fullgraph=True)(x), x * w)
+    with torchleaf.config.patch(check_escaped_gradients=False):  # dropped knowingly
+        torch._dynamo.reset()
+        out = torch.compile(lambda x: scales(x) + 1, backend=backend, fullgraph=True)(x)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, (x * w + 1).detach())
+
+    # Without a closure that requires grad, nothing changes: values, and one
+    # real call per compiled call.
+    torch._dynamo.reset()
+    w.requires_grad_(False)
+    calls.clear()
+    for compiled, args in ((inference, (x,)), (training, (x, y))):
+        torch.testing.assert_close(compiled(*args), (x * w).sum() + (2 * y.sum() if len(args) == 2 else 0))
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_autograd_inside_a_compiled_call_without_differentiable_inputs(backend):
+    """Forces from an energy by torch.autograd.grad inside the function, in a
+    compiled inference step (nothing requires grad): the function runs with
+    grad mode on, as in eager code, although AOTAutograd runs the graph with
+    it off."""
+    torch._dynamo.reset()
+
+    def forces(x, w):
+        with torch.enable_grad():  # the undecorated function under the same graph
+            p = x.detach().requires_grad_()
+            (grad,) = torch.autograd.grad((w * p.sin()).sum(), p)
+        return -grad
+
+    def body(x, w):
+        p = x.detach().requires_grad_()
+        (grad,) = torch.autograd.grad((w * p.sin()).sum(), p)
+        return -grad
+
+    leaf = torchleaf.leaf_function(body)
+    leaf.register_fake(lambda x, w: torch.empty_like(x))
+    x, w = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    expected = -w * x.cos()
+    torch.testing.assert_close(leaf(x, w), expected)
+    step = torch.compile(lambda x, w: leaf(x, w) * 2, backend=backend, fullgraph=True)
+    torch.testing.assert_close(step(x, w), 2 * expected)
+    torch.testing.assert_close(torch.compile(lambda x, w: forces(x, w) * 2, backend=backend)(x, w), 2 * expected)
+    assert torchleaf.live_states() == 0
+
+
 def test_compiled_backward_paths_agree():
     """Traced backward replays small CPU graphs inline and everything else
     with the autograd engine (restricted backward, anomaly mode, hooks);

@@ -210,6 +210,19 @@ def test_autocast_state_queries():
     assert _leaf._autocast_state() is None
 
 
+def test_set_grad_enabled_sets_the_mode_and_returns_nothing():
+    """A compiled call traced with grad mode on runs its real function with it
+    on where AOTAutograd turned it off (_leaf._run_real), through this."""
+    was = torch.is_grad_enabled()
+    try:
+        assert torch._C._set_grad_enabled(False) is None
+        assert not torch.is_grad_enabled()
+        torch._C._set_grad_enabled(True)
+        assert torch.is_grad_enabled()
+    finally:
+        torch._C._set_grad_enabled(was)
+
+
 def test_an_op_overload_calls_and_hashes_through_its_op_attribute():
     # torchleaf replaces OpOverload._op of torchleaf::call/forward/backward
     # with direct entries (csrc/python/operator_entries.cpp), before anything
