@@ -750,6 +750,29 @@ TensorList run_real(
           "or clone the input before changing it.");
     }
   }
+  // A declared in-place change computed from tensors that require grad gave
+  // the input's alias a history; the caller's tensor gets the new data but
+  // not that history (a leaf's backward is its outputs'), so the gradient of
+  // what the change was computed from would be lost.
+  for (size_t i = 0, k = 0; i < mutable_inputs.size(); k += mutable_inputs[i], ++i) {
+    // (Named by k, its place among the declared-mutable tensors: i depends
+    // on how the call was made, eager or from which graph.)
+    TORCHLEAF_CHECK(
+        !mutable_inputs[i] || inner[i].grad_fn() == nullptr ||
+            !entry.check_escaped_gradients(),
+        entry.name,
+        "changed its declared-mutable tensor ",
+        k,
+        " (counting from 0: the tensor arguments mutates_args names, in "
+        "parameter order, then the buffers of the modules it names) in place "
+        "with a value that has autograd history (computed from tensors that "
+        "require grad): the caller's tensor gets the new data but not that "
+        "history, so their gradient through it would be lost. Compute the new "
+        "value out of place and return it as an output instead, compute the "
+        "change from detached tensors (or under torch.no_grad()) if no "
+        "gradient is wanted, or set torchleaf.config.check_escaped_gradients "
+        "= False (C++: LeafOptions::check_escaped) to drop it knowingly.");
+  }
   for (size_t i = 0; i < outputs.size(); ++i) {
     TORCHLEAF_CHECK(
         outputs[i].defined(),

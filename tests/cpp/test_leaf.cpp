@@ -162,6 +162,36 @@ TEST(Leaf, DeclaredMutationIsVisibleUndeclaredIsAnError) {
   EXPECT_EQ(buf._version(), version + 1);
 }
 
+TEST(Leaf, AnInPlaceChangeThatWouldCarryAGradientIsAnError) {
+  // buf += 3 * x: the caller's buf gets the new data but not its history (a
+  // leaf's backward is its outputs'), so x's gradient through buf would be
+  // lost silently; the call says so instead.
+  auto body = [](const TensorList& in) {
+    in[1].add_(in[0] * 3);
+    return TensorList{in[0] * 2};
+  };
+  auto fake = [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; };
+  const auto name = unique_name("accumulates");
+  auto accumulates = torchleaf::define_leaf(name, body, fake, torchleaf::LeafOptions().mutates({1}));
+  auto buf = torch::zeros({2});
+  const auto x = torch::ones({2}, torch::requires_grad());
+  EXPECT_THROW_WITH(accumulates({x, buf}), "changed its declared-mutable tensor 0 (counting from 0: the tensor arguments");
+  EXPECT_THROW_WITH(accumulates({x, buf}), name);
+  // Nothing that requires grad: the change is plain data.
+  buf.zero_();
+  accumulates({x.detach(), buf});
+  EXPECT_TRUE(torch::allclose(buf, torch::full({2}, 3.0)));
+  // Dropped knowingly: the data changes, no history.
+  auto dropping = torchleaf::define_leaf(
+      unique_name("drops"), body, fake, torchleaf::LeafOptions().mutates({1}).check_escaped(false));
+  auto out = dropping({x, buf});
+  EXPECT_TRUE(torch::allclose(buf, torch::full({2}, 6.0)));
+  EXPECT_FALSE(buf.requires_grad());
+  out[0].sum().backward();
+  EXPECT_TRUE(torch::allclose(x.grad(), torch::full({2}, 2.0)));
+  EXPECT_EQ(torchleaf::live_states(), 0);
+}
+
 TEST(Leaf, OutputValidationNamesTheDifference) {
   const auto name = unique_name("validated");
   auto leaf = torchleaf::define_leaf(

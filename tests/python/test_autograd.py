@@ -603,6 +603,51 @@ def test_autograd_inside_a_compiled_call_without_differentiable_inputs(backend):
     assert torchleaf.live_states() == 0
 
 
+@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
+def test_an_in_place_change_that_would_carry_a_gradient_is_an_error(backend):
+    """``buf += x * w``: the undecorated function gives ``buf`` a history
+    that reaches x and w; a leaf's caller gets the new data but not that
+    history, so the gradient would be lost silently. The call says so,
+    whether the gradient comes from an input or a closure."""
+    torch._dynamo.reset()
+    w = torch.randn(3, requires_grad=True)
+
+    def from_input(buf, x):
+        buf.add_(x * 3)
+        return x * 2
+
+    def from_closure(buf, x):
+        buf.add_(x * w)
+        return x * 2
+
+    def detached(buf, x):
+        buf.add_(x.detach() * w.detach())
+        return x * 2
+
+    def compiled(fn):
+        leaf = torchleaf.leaf_function(fn, mutates_args={"buf"})
+        leaf.register_fake(lambda buf, x: torch.empty_like(x))
+        return leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
+
+    message = r"changed its declared-mutable tensor 0 \(counting from 0: the tensor arguments mutates_args names, in parameter order, then the buffers of the modules it names\) in place with a value that has autograd history"
+    for fn, x in ((from_input, torch.randn(3, requires_grad=True)), (from_closure, torch.randn(3))):
+        with pytest.raises(LeafFunctionError, match=fn.__name__ + "' " + message):
+            compiled(fn)(torch.zeros(3), x)
+    x = torch.randn(3, requires_grad=True)
+    buf = torch.zeros(3)
+    out = compiled(detached)(buf, x)
+    torch.testing.assert_close(buf, (x * w).detach())
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    with torchleaf.config.patch(check_escaped_gradients=False):  # dropped knowingly
+        buf = torch.zeros(3)
+        torch._dynamo.reset()
+        compiled(from_closure)(buf, x.detach())
+        torch.testing.assert_close(buf, (x * w).detach())
+        assert not buf.requires_grad
+    assert torchleaf.live_states() == 0
+
+
 def test_compiled_backward_paths_agree():
     """Traced backward replays small CPU graphs inline and everything else
     with the autograd engine (restricted backward, anomaly mode, hooks);
