@@ -122,7 +122,8 @@ def _steps(backend, opaque, with_handle):
 
 def run(quick=False, log=print):
     """{backend: {variant: {calls per graph: µs per step over plain code with
-    as many calls}}}; the two custom_op structure variants with one call only."""
+    as many calls}}}; the structure variants and the one traced without the
+    order token's store with one call only."""
     torch.set_num_threads(1)
     rounds, batch = (5, 10) if quick else (61, 50)
     opaque, with_handle = _opaque_backward_ops()
