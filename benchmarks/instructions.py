@@ -66,15 +66,13 @@ def _stage_callable(name):
     torch.set_num_threads(1)
     leaf, custom = leaf_and_custom_op("torchleaf_profile")
     x = torch.randn(64, requires_grad=True)
-    if name.startswith("inference step: "):
-        fn = {"custom_op": custom, "torchleaf": leaf}[name[len("inference step: "):]]
+    if name.startswith(("inference step: ", "grad forward step: ")):
+        # Forward only: the input without grad (inference graph), or with it
+        # (the capture runs, the outputs are dropped).
+        fn = {"custom_op": custom, "torchleaf": leaf}[name.split("step: ")[1]]
         compiled = torch.compile(lambda x: fn(x).sum(), backend="aot_eager", fullgraph=True)
-        xd = x.detach()
-        return lambda: compiled(xd)
-    if name.startswith("grad forward step: "):
-        fn = {"custom_op": custom, "torchleaf": leaf}[name[len("grad forward step: "):]]
-        compiled = torch.compile(lambda x: fn(x).sum(), backend="aot_eager", fullgraph=True)
-        return lambda: compiled(x)
+        given = x.detach() if name.startswith("inference") else x
+        return lambda: compiled(given)
     if "step: " in name and not name.startswith("eager"):
         backend = "inductor" if name.startswith("inductor") else "aot_eager"
         fn = {"plain": body, "custom_op": custom, "torchleaf": leaf}[name.split("step: ")[1]]
