@@ -435,27 +435,26 @@ def structure_markdown(structure):
         *structure_module.markdown(structure),
         "",
     ]
+    slope, once = structure_module.slope, structure_module.once
     for backend, rows in structure.items():
-        c, t = rows["custom_op"], rows["torchleaf"]
-        sc, st = structure_module.slope(c), structure_module.slope(t)
+        c, h, t = rows["custom_op"], rows[structure_module.HANDLE], rows["torchleaf"]
         token = t[1] - rows[structure_module.NO_STORE][1]
         out.append(
-            f"- {backend}: each call after the first, torchleaf {st:+.1f} µs against custom_op's {sc:+.1f}; "
-            f"paid once per step, {t[1] - st:+.1f} against {c[1] - sc:+.1f}, of which the order token's "
-            f"store {token:+.1f}. custom_op given an opaque backward and a handle: "
-            f"{rows[structure_module.HANDLE][1]:+.1f} µs; torchleaf, which also records and replays: "
-            f"{t[1]:+.1f}."
+            f"- {backend}: each call after the first, torchleaf {slope(t):+.1f} µs against custom_op's "
+            f"{slope(c):+.1f}; paid once per step, {once(t):+.1f} against {once(c):+.1f}, of which the "
+            f"order token's store {token:+.1f}. custom_op given an opaque backward and a handle, "
+            f"recording and replaying nothing: {slope(h):+.1f} per call, {once(h):+.1f} once per step."
         )
     out += [
         "",
-        "A step pays once for a leaf: the store of its last call's order token, a graph output "
-        "that keeps every call live whatever the use of its outputs (the compilers remove a "
-        "call whose outputs nothing uses; without the store, a leaf called for its side effects "
-        "would silently not run), and time that instruction counts do not show (under aot_eager "
-        "the leaf's step executes no more instructions than custom_op's, \"Where the compiled "
-        "overhead goes (CPU instructions)\" below) and that this machine's tools do not "
-        "attribute (no hardware counters; docs/profile.md, \"Wall-clock time\", lists what it "
-        "is not).",
+        "The per-call column is what each call after a step's first costs; the once-per-step "
+        "column is what a step pays for having such calls at all. custom_op given an opaque "
+        "backward operator and a handle saved for it, the structure a leaf cannot do without, "
+        "shows what that structure costs without recording or replaying anything. Beyond it, a "
+        "leaf's step pays the store of its last call's order token, a graph output that keeps "
+        "every call live whatever the use of its outputs (the compilers remove a call whose "
+        "outputs nothing uses; without the store, a leaf called for its side effects would "
+        "silently not run).",
         "",
     ]
     return out

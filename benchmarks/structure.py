@@ -4,8 +4,9 @@ per call and which is the structure every leaf must have.
     python benchmarks/structure.py      # prints markdown tables
 
 * **Calls per graph** -- the small body called 1, 2 and 4 times in a chain
-  inside one compiled fwd+bwd step (``f(f(x))``...). The slope, (t4 - t1) / 3,
-  is what one more call costs once the step already runs one; the rest of a
+  inside one compiled fwd+bwd step (``f(f(x))``...), for custom_op, the two
+  structure variants below and torchleaf. The slope, (t4 - t1) / 3, is what
+  one more call costs once the step already runs one; the rest of a
   variant's overhead is paid once per step.
 * **A leaf's structure, built from custom_op** -- custom_op's overhead when it
   is given, one by one, what a leaf cannot do without: a backward that is an
@@ -43,6 +44,8 @@ NAMESPACE = "torchleaf_structure"
 OPAQUE = "custom_op, backward an opaque operator"
 HANDLE = "custom_op, backward an opaque operator taking a handle from the forward"
 NO_STORE = "torchleaf, order token not stored (unsafe: measurement only)"
+# The variants chained 1, 2 and 4 times, in the tables' order.
+CHAINED_ROWS = ("custom_op", OPAQUE, HANDLE, "torchleaf")
 
 
 @contextlib.contextmanager
@@ -108,7 +111,7 @@ def _steps(backend, opaque, with_handle):
     x = torch.randn(64, requires_grad=True)
     steps = {}
     variants = [(key, build(SMALL), CALLS) for key, build in CHAINED]
-    variants += [(OPAQUE, opaque, (1,)), (HANDLE, with_handle, (1,)), (NO_STORE, build_torchleaf(SMALL), (1,))]
+    variants += [(OPAQUE, opaque, CALLS), (HANDLE, with_handle, CALLS), (NO_STORE, build_torchleaf(SMALL), (1,))]
     for n, (key, call, counts) in enumerate(variants):
         for k in counts:
             fn = torch.compile(_chain(call, k, f"step_{backend}_{n}_{k}"), backend=backend, fullgraph=True)
@@ -122,8 +125,8 @@ def _steps(backend, opaque, with_handle):
 
 def run(quick=False, log=print):
     """{backend: {variant: {calls per graph: µs per step over plain code with
-    as many calls}}}; the structure variants and the one traced without the
-    order token's store with one call only."""
+    as many calls}}}; the variant traced without the order token's store with
+    one call only."""
     torch.set_num_threads(1)
     rounds, batch = (5, 10) if quick else (61, 50)
     opaque, with_handle = _opaque_backward_ops()
@@ -143,6 +146,11 @@ def run(quick=False, log=print):
     return result
 
 
+def once(row):
+    """The overhead paid once per step whatever the calls: t1 - slope."""
+    return row[CALLS[0]] - slope(row)
+
+
 def slope(row):
     """The overhead of one more call in the step: (t4 - t1) / 3."""
     return (row[CALLS[-1]] - row[CALLS[0]]) / (CALLS[-1] - CALLS[0])
@@ -154,12 +162,11 @@ def markdown(result):
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for backend, rows in result.items():
-        for key in ("custom_op", "torchleaf"):
+        for key in CHAINED_ROWS:
             row = rows[key]
-            once = row[1] - slope(row)
             out.append(
                 f"| {backend} | {key} | {row[1]:+.1f} | {row[2]:+.1f} | {row[4]:+.1f} | "
-                f"{slope(row):+.1f} | {once:+.1f} |"
+                f"{slope(row):+.1f} | {once(row):+.1f} |"
             )
     out += [
         "",
