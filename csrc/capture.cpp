@@ -814,7 +814,8 @@ TensorList run_real(
     // global): its gradient would be dropped, which the escaped-gradients
     // check reports as it does when inputs require grad.
     const bool report_escaped = !capture && entry.check_escaped_gradients();
-    for (auto& out : outputs) {
+    for (size_t k = 0; k < outputs.size(); ++k) {
+      auto& out = outputs[k];
       if (out.requires_grad()) {
         if (report_escaped && out.grad_fn() != nullptr) {
           std::vector<size_t> grad_enabled_inputs;
@@ -842,11 +843,16 @@ TensorList run_real(
         out = detached(out);
       }
       // A graph owns its operators' outputs: Inductor reuses a dead output's
-      // buffer for an in-place kernel. An output whose storage something
-      // else still holds -- the captured graph saved it for backward (tanh,
-      // exp, sigmoid do), or it is a view of a global or a cache -- would be
-      // corrupted by that, so the graph gets a copy.
-      if (out.has_storage() && out.storage().use_count() > 1) {
+      // buffer for an in-place kernel. An output that something else still
+      // holds -- the captured graph saved it for backward (tanh, exp,
+      // sigmoid do), it is a global, a cache or a module attribute, or a
+      // view of one, or another output -- would be corrupted by that, so
+      // the graph gets a copy. (A tensor made in Python keeps a reference
+      // from its PyObject: Python leaves say which outputs are held.)
+      const bool held = site.outputs_held.empty()
+          ? out.use_count() > 1
+          : k < site.outputs_held.size() && site.outputs_held[k];
+      if (held || (out.has_storage() && out.storage().use_count() > 1)) {
         out = out.clone();
       }
     }

@@ -33,6 +33,11 @@ struct CallSite {
   // caller receives with them (Python leaves: the output pytree), and that
   // output validation passes on to the fake implementation.
   std::shared_ptr<void> result;
+  // Set by a real implementation that can tell: for each output, whether
+  // something besides the call still holds it (Python leaves: a global, a
+  // cache or a module attribute holds its PyObject). Empty: the core counts
+  // the tensor's references, which is exact for tensors without a PyObject.
+  c10::SmallVector<bool, 4> outputs_held;
 };
 
 // One flag per flat input of a call (mutable, captured), with inline room

@@ -102,7 +102,10 @@ PyObject* ptr(const std::shared_ptr<void>& held) {
   return static_cast<PyObject*>(held.get());
 }
 
-TensorList unpack_tensors(const py::handle& result, const std::string& leaf, const char* what) {
+// `held`, if given, gets for each tensor whether something besides `result`
+// holds its PyObject (CallSite::outputs_held).
+TensorList unpack_tensors(const py::handle& result, const std::string& leaf, const char* what,
+                          c10::SmallVector<bool, 4>* held = nullptr) {
   TensorList out;
   if (!PyList_Check(result.ptr())) {
     detail::throw_leaf_error(leaf, std::string(what) + " runner must return a list of tensors");
@@ -115,6 +118,9 @@ TensorList unpack_tensors(const py::handle& result, const std::string& leaf, con
       // A compiled call's new order token (see _leaf._run_real): an empty
       // CPU tensor, made directly (no dispatch: nothing intercepts it).
       out.push_back(at::detail::empty_cpu({0}, at::kLong));
+      if (held != nullptr) {
+        held->push_back(false);
+      }
       continue;
     }
     if (!THPVariable_Check(item)) {
@@ -122,6 +128,12 @@ TensorList unpack_tensors(const py::handle& result, const std::string& leaf, con
           leaf,
           std::string(what) + " function returned a " + Py_TYPE(item)->tp_name +
               " where a tensor was expected");
+    }
+    if (held != nullptr) {
+      // The list's reference, and others'. Read before the tensor gains a
+      // C++ reference below: PyTorch then keeps its PyObject alive with one
+      // of its own.
+      held->push_back(Py_REFCNT(item) > 1);
     }
     out.push_back(THPVariable_Unpack(item));
   }
@@ -161,7 +173,8 @@ TensorList run_python_real(const PythonLeaf& leaf, const std::string& name,
     throw py::error_already_set(); // as pybind11's own call would (fetches the error)
   }
   TORCH_INTERNAL_ASSERT(PyTuple_Check(result.ptr()) && PyTuple_GET_SIZE(result.ptr()) == 2);
-  auto outputs = unpack_tensors(PyTuple_GET_ITEM(result.ptr(), 0), name, "real");
+  site.outputs_held.clear();
+  auto outputs = unpack_tensors(PyTuple_GET_ITEM(result.ptr(), 0), name, "real", &site.outputs_held);
   site.result = hold(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(result.ptr(), 1)));
   return outputs;
 }

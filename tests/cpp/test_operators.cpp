@@ -102,6 +102,28 @@ TEST(Operators, StateHandlesAreChecked) {
 // torchleaf::stack_handles: the batched state of a per-sample loop. Each
 // element (a view of the stacked handle) replays its own call's graph; the
 // states live as long as the stacked handle; anything else is an error.
+// A graph owns its operators' outputs (Inductor computes later kernels in
+// place in a dead one's buffer), so an output the real function does not
+// own -- a table it keeps, an input -- reaches the graph as a copy.
+TEST(Operators, OutputsHeldElsewhereReachGraphsAsCopies) {
+  auto table = torch::arange(4.0);
+  auto leaf = torchleaf::define_leaf(
+      unique_name("lookup"),
+      [table](const TensorList& in) { return TensorList{table, in[0]}; },
+      [](const TensorList& in) {
+        return TensorList{at::empty_like(in[0]), at::empty_like(in[0])};
+      });
+  for (bool requires_grad : {false, true}) {
+    auto x = torch::randn({4}).requires_grad_(requires_grad);
+    auto [outs, handle] = forward_op().call(leaf.id(), 0, {x}, {0});
+    EXPECT_TRUE(torch::equal(outs[0], table));
+    EXPECT_NE(outs[0].data_ptr(), table.data_ptr());
+    EXPECT_TRUE(torch::equal(outs[1], x));
+    EXPECT_NE(outs[1].data_ptr(), x.data_ptr());
+  }
+  EXPECT_EQ(torchleaf::live_states(), 0);
+}
+
 TEST(Operators, StackedHandlesReplayEachCall) {
   auto leaf = square_leaf();
   auto stack = c10::Dispatcher::singleton()

@@ -378,6 +378,56 @@ def test_inductor_may_reuse_an_output_buffer_the_captured_graph_saved():
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("held_by", ["global", "module_attribute", "log"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_inductor_never_writes_into_an_output_something_else_holds(held_by, grad):
+    """A body that returns a tensor it does not own (a global table, a plain
+    module attribute, a result it also logs):
+    Inductor computed the next kernel in place in that buffer, so the table
+    changed under its owner and later calls returned wrong values."""
+    torch._dynamo.reset()
+    table = torch.arange(4.0)
+    log = {}
+
+    class Lookup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = table  # a plain attribute, not a buffer
+
+    def body(x, m):
+        if held_by == "global":
+            return table, table * 0
+        if held_by == "module_attribute":
+            return m.table, table * 0
+        out = x.softmax(0)
+        log["last"] = out
+        return out, table * 0
+
+    leaf = torchleaf.leaf_function(body)
+    leaf.register_fake(lambda x, m: (x.new_empty(4), x.new_empty(4)))
+    module = Lookup()
+
+    def program(fn, x):
+        # (Each result the size of a leaf output, which Inductor may then
+        # compute in that output's buffer.)
+        a, b = fn(x, module)
+        return (a * 2 + x).relu(), (b * 3 + x).relu()
+
+    compiled = torch.compile(lambda x: program(leaf, x), backend="inductor", fullgraph=True)
+    for _ in range(3):
+        x = torch.randn(4, requires_grad=grad)
+        got, expected = compiled(x), program(body, x)
+        torch.testing.assert_close(got, expected)
+        if grad:
+            torch.testing.assert_close(
+                torch.autograd.grad(sum(t.sum() for t in got), x), torch.autograd.grad(sum(t.sum() for t in expected), x)
+            )
+        torch.testing.assert_close(table, torch.arange(4.0))
+        if held_by == "log":
+            torch.testing.assert_close(log["last"], x.detach().softmax(0))
+    assert torchleaf.live_states() == 0
+
+
 @pytest.mark.parametrize("pattern", ["two_calls", "vmap", "mm_then_tanh"])
 def test_inductor_keeps_an_input_buffer_the_captured_graph_saved(pattern):
     """sin saves its input for backward, mm both operands. Inductor reused the
