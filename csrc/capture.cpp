@@ -212,6 +212,13 @@ std::string describe(const c10::SymIntArrayRef sizes, at::ScalarType dtype) {
   return ss.str();
 }
 
+// Whether autograd hooks sit on `fn`: the function registered them on a
+// tensor (x.register_hook, retain_grad) or on its node.
+bool has_hooks(Node& fn) {
+  return !fn.pre_hooks().empty() || !fn.tensor_pre_hooks().empty() ||
+      !fn.post_hooks().empty() || !fn.retains_grad_hooks().empty();
+}
+
 // Index of `node` among the state's input sinks, or -1. Leaf calls have few
 // inputs: a linear scan beats hashing.
 int64_t sink_index(const CapturedState& state, const Node* node) {
@@ -954,9 +961,15 @@ std::optional<variable_list> replay_inline(
     auto it = std::find(nodes.begin(), nodes.end(), fn);
     return it == nodes.end() ? -1 : it - nodes.begin();
   };
+  // (A sink with hooks, one on an input inside the function, is left to
+  // the engine, which runs them on the gradient it collects there.)
+  for (const auto& sink : state.input_edges) {
+    if (has_hooks(*sink.function)) {
+      return std::nullopt;
+    }
+  }
   auto eligible = [](Node* fn) {
-    if (!fn->pre_hooks().empty() || !fn->tensor_pre_hooks().empty() ||
-        !fn->post_hooks().empty() || !fn->retains_grad_hooks().empty()) {
+    if (has_hooks(*fn)) {
       return false;
     }
     for (size_t i = 0; i < fn->num_inputs(); ++i) {
@@ -1155,9 +1168,13 @@ void attach_to_caller(
     TensorList& outputs) {
   TORCH_INTERNAL_ASSERT(caller_edges.size() == state.input_edges.size());
   // The captured graph now leads straight into the caller's graph; the sinks
-  // stay only where saved inputs refer to them.
+  // stay only where saved inputs refer to them, and where the function put
+  // a hook on its input (x.register_hook): gradients then pass through the
+  // active sink, whose hooks the engine runs.
   for (const auto& [edge, input] : state.sink_uses) {
-    *edge = caller_edges[input];
+    if (!has_hooks(*state.input_edges[input].function)) {
+      *edge = caller_edges[input];
+    }
   }
   for (const auto& sink : state.input_edges) {
     static_cast<InputSink*>(sink.function.get())->activate();

@@ -381,3 +381,29 @@ TEST(Autograd, CallerUnderNoGradGetsNoGraph) {
   EXPECT_FALSE(out[0].requires_grad());
   EXPECT_EQ(torchleaf::live_states(), 0);
 }
+
+// A hook the function puts on its input (gradient scaling inside the body)
+// runs in backward, as it does for the plain body: eager calls used to wire
+// the captured graph past the input's node, which holds the hook.
+TEST(Autograd, AHookTheFunctionPutsOnItsInputRuns) {
+  auto scaled = [](const TensorList& in) {
+    in[0].register_hook([](const at::Tensor& g) { return g * 10; });
+    return TensorList{(in[0] * in[1]).sin()};
+  };
+  auto leaf = torchleaf::define_leaf(unique_name("scaled"), scaled, [](const TensorList& in) {
+    return TensorList{at::empty_like(in[0])};
+  });
+  auto x = torch::randn({3}, torch::dtype(torch::kDouble));
+  auto w = torch::randn({3}, torch::dtype(torch::kDouble));
+  auto grads = [&](auto&& f) {
+    auto xs = x.clone().requires_grad_(true);
+    auto ws = w.clone().requires_grad_(true);
+    f(TensorList{xs, ws})[0].sum().backward();
+    return TensorList{xs.grad(), ws.grad()};
+  };
+  auto expected = grads(scaled);
+  auto got = grads(leaf);
+  EXPECT_TRUE(torch::allclose(got[0], expected[0]));
+  EXPECT_TRUE(torch::allclose(got[1], expected[1]));
+  EXPECT_EQ(torchleaf::live_states(), 0);
+}
