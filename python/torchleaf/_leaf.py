@@ -712,7 +712,9 @@ def _check_graph_constants(leaf, traced, real, from_real=False):
     call through the operator that no fake described (a dispatch mode, a
     torch.func transform): its caller gets the first such call's constants."""
     for (path, fake_value), (_, real_value) in zip(_constants(traced), _constants(real)):
-        if type(fake_value) is type(real_value) and fake_value == real_value:
+        if type(fake_value) is type(real_value) and (
+            fake_value == real_value or (fake_value != fake_value and real_value != real_value)  # nan
+        ):
             continue
         if from_real:
             raise LeafFunctionError(

@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import functools
 import io
+import math
 import pickle
 
 import pytest
@@ -921,6 +922,19 @@ def test_constant_outputs_of_compiled_calls_are_checked_on_every_call(backend):
     leaf._fn = clip_as_int  # the same values, 1 for True
     with pytest.raises(LeafFunctionError, match=r"different output structure.*\n  real: \(Tensor, 1, "):
         run(x, 1.0)
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+def test_a_nan_constant_output_matches_a_nan_fake(backend):
+    """nan != nan: the constant check refused a nan that real and fake both
+    return ("returned nan ..., but its fake implementation returned nan")."""
+    def metric(x):
+        return x * 2, float("nan"), complex(float("nan"), 1.0)
+
+    leaf = _leaf(metric, lambda x: (torch.empty_like(x), float("nan"), complex(float("nan"), 1.0)))
+    out, value, z = torch.compile(leaf, backend=backend, fullgraph=True)(torch.ones(2))
+    torch.testing.assert_close(out, torch.full((2,), 2.0))
+    assert math.isnan(value) and math.isnan(z.real) and z.imag == 1.0
 
 
 @pytest.mark.parametrize("backend", COMPILED)
