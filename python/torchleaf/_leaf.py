@@ -30,6 +30,7 @@ import json
 import operator
 import os
 import re
+import sys
 import threading
 import weakref
 
@@ -1332,6 +1333,26 @@ def _refuse_read_and_mutated(leaf, plan_index, read, mutated):
     )
 
 
+@torch._dynamo.assume_constant_result  # raises at trace time
+def _refuse_compiled_fsdp_module(leaf, cls_name):
+    raise LeafFunctionError(
+        f"torchleaf: leaf function '{leaf._name}' got a {cls_name} argument that fully_shard was "
+        f"applied to, in a compiled call: FSDP's gradient hooks for that module's own parameters "
+        f"do not see the leaf's use of them, which would leave them without a gradient. Shard "
+        f"only a parent of the module (fully_shard(model)), or call the leaf outside the "
+        f"compiled region (eager calls with module.unshard() before them work)."
+    )
+
+
+@torch._dynamo.assume_constant_result
+def _sharded_on_its_own(cls):
+    """Whether fully_shard was applied to modules of class ``cls`` (FSDP2
+    makes each such module's class a subclass of FSDPModule). Read without
+    importing FSDP (half a second): nothing is sharded before it is."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and issubclass(cls, fsdp.FSDPModule)
+
+
 # ---------------------------------------------------------------- compilation
 _OBJECT = "\x00torchleaf:object"  # (_OBJECT, i): the i-th object passed beside a skeleton
 _NODE = "\x00torchleaf:node"  # tags a pytree node in a compiled call's skeleton
@@ -2041,6 +2062,8 @@ class LeafFunction:
             if isinstance(x, _Tensor):
                 skeleton.append(_TENSOR)
             elif isinstance(x, nn.Module):
+                if _sharded_on_its_own(type(x)):
+                    _refuse_compiled_fsdp_module(self, type(x).__name__)
                 names, aliases, n_params, tensors = _module_state(x)
                 cls = type(x)
                 skeleton.append(_MODULE)

@@ -141,9 +141,22 @@ def test_fsdp2_sharded_head_with_unshard_before_the_leaf(tmp_path):
     ``self.head.unshard()`` before the leaf, and head is sharded with
     ``reshard_after_forward=False`` so that the post-forward hook that runs
     inside the leaf does not swap the parameters back to sharded ones (which
-    torchleaf reports as the leaf replacing them). Eager only: compiled, head's
-    parameters get no gradient. Same checks as above."""
+    torchleaf reports as the leaf replacing them). Eager only: compiled calls
+    refuse such a module (next test). Same checks as above."""
     run_ranks("fsdp-head-unshard", "eager", tmp_path)
+
+
+def test_fsdp2_compiled_call_with_a_separately_sharded_module_is_a_clear_error(tmp_path):
+    """Compiled, the workaround above left head's parameters without a
+    gradient, silently (FSDP's hooks for head's own parameters do not see the
+    leaf's use of them). Compiled calls refuse a module fully_shard was
+    applied to, naming the leaf and what works instead."""
+    returncodes, outputs, timed_out = _launch("fsdp-head-unshard", "aot_eager", tmp_path, _free_port())
+    assert not timed_out
+    assert returncodes != [0] * WORLD
+    for o in outputs:
+        assert "LeafFunctionError" in o and "argument that fully_shard was applied to, in a compiled call" in o, o[-3000:]
+        assert "Shard only a parent of the module (fully_shard(model))" in o
 
 
 def test_fsdp2_separately_sharded_module_argument_is_a_clear_error(tmp_path):
