@@ -855,10 +855,15 @@ TensorList run_real(
       // sigmoid do), it is a global, a cache or a module attribute, or a
       // view of one, or another output -- would be corrupted by that, so
       // the graph gets a copy. (A tensor made in Python keeps a reference
-      // from its PyObject: Python leaves say which outputs are held.)
-      const bool held = site.outputs_held.empty()
+      // from its PyObject: Python leaves say which outputs are held. Their
+      // eager calls, which pass `arguments`, return what the function
+      // returned, as the plain function does; an output copied above is no
+      // longer the held one.)
+      const bool held = !site.outputs_held_known
           ? out.use_count() > 1
-          : k < site.outputs_held.size() && site.outputs_held[k];
+          : site.arguments == nullptr &&
+              std::find(site.outputs_held.begin(), site.outputs_held.end(),
+                        out.unsafeGetTensorImpl()) != site.outputs_held.end();
       if (held || (out.has_storage() && out.storage().use_count() > 1)) {
         out = out.clone();
       }

@@ -33,11 +33,13 @@ struct CallSite {
   // caller receives with them (Python leaves: the output pytree), and that
   // output validation passes on to the fake implementation.
   std::shared_ptr<void> result;
-  // Set by a real implementation that can tell: for each output, whether
-  // something besides the call still holds it (Python leaves: a global, a
-  // cache or a module attribute holds its PyObject). Empty: the core counts
-  // the tensor's references, which is exact for tensors without a PyObject.
-  c10::SmallVector<bool, 4> outputs_held;
+  // Set by a real implementation that can tell which of its outputs
+  // something besides the call still holds (Python leaves: a global, a cache
+  // or a module attribute holds its PyObject): those outputs, and
+  // `outputs_held_known`. Unknown: the core counts each output's references,
+  // which is exact for tensors without a PyObject.
+  c10::SmallVector<const c10::TensorImpl*, 4> outputs_held;
+  bool outputs_held_known = false;
 };
 
 // One flag per flat input of a call (mutable, captured), with inline room

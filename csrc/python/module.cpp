@@ -102,10 +102,10 @@ PyObject* ptr(const std::shared_ptr<void>& held) {
   return static_cast<PyObject*>(held.get());
 }
 
-// `held`, if given, gets for each tensor whether something besides `result`
-// holds its PyObject (CallSite::outputs_held).
+// `held`, if given, gets each tensor whose PyObject something besides
+// `result` holds (CallSite::outputs_held).
 TensorList unpack_tensors(const py::handle& result, const std::string& leaf, const char* what,
-                          c10::SmallVector<bool, 4>* held = nullptr) {
+                          c10::SmallVector<const c10::TensorImpl*, 4>* held = nullptr) {
   TensorList out;
   if (!PyList_Check(result.ptr())) {
     detail::throw_leaf_error(leaf, std::string(what) + " runner must return a list of tensors");
@@ -118,9 +118,6 @@ TensorList unpack_tensors(const py::handle& result, const std::string& leaf, con
       // A compiled call's new order token (see _leaf._run_real): an empty
       // CPU tensor, made directly (no dispatch: nothing intercepts it).
       out.push_back(at::detail::empty_cpu({0}, at::kLong));
-      if (held != nullptr) {
-        held->push_back(false);
-      }
       continue;
     }
     if (!THPVariable_Check(item)) {
@@ -129,13 +126,21 @@ TensorList unpack_tensors(const py::handle& result, const std::string& leaf, con
           std::string(what) + " function returned a " + Py_TYPE(item)->tp_name +
               " where a tensor was expected");
     }
-    if (held != nullptr) {
-      // The list's reference, and others'. Read before the tensor gains a
-      // C++ reference below: PyTorch then keeps its PyObject alive with one
-      // of its own.
-      held->push_back(Py_REFCNT(item) > 1);
+    // The list's references, and others'. Read before the tensor gains a C++
+    // reference below: PyTorch then keeps its PyObject alive with one of its
+    // own. (One tensor returned twice is copied as an alias, not as held.)
+    bool held_elsewhere = Py_REFCNT(item) > 1;
+    if (held_elsewhere) {
+      Py_ssize_t in_list = 0;
+      for (Py_ssize_t j = 0; j < n; ++j) {
+        in_list += PyList_GET_ITEM(result.ptr(), j) == item;
+      }
+      held_elsewhere = Py_REFCNT(item) > in_list;
     }
     out.push_back(THPVariable_Unpack(item));
+    if (held != nullptr && held_elsewhere) {
+      held->push_back(out.back().unsafeGetTensorImpl());
+    }
   }
   return out;
 }
@@ -174,6 +179,7 @@ TensorList run_python_real(const PythonLeaf& leaf, const std::string& name,
   }
   TORCH_INTERNAL_ASSERT(PyTuple_Check(result.ptr()) && PyTuple_GET_SIZE(result.ptr()) == 2);
   site.outputs_held.clear();
+  site.outputs_held_known = true;
   auto outputs = unpack_tensors(PyTuple_GET_ITEM(result.ptr(), 0), name, "real", &site.outputs_held);
   site.result = hold(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(result.ptr(), 1)));
   return outputs;

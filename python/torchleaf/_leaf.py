@@ -707,15 +707,20 @@ def _check_fake_constants(leaf, desc):
             )
 
 
+def _same_constant(a, b):
+    """a == b, with nan equal to nan (in each part of a complex)."""
+    if type(a) is complex:
+        return _same_constant(a.real, b.real) and _same_constant(a.imag, b.imag)
+    return a == b or (type(a) is float and a != a and b != b)
+
+
 def _check_graph_constants(leaf, traced, real, from_real=False):
     """A graph returns the constants its fake returned when it was traced; a
     real call that returns other values would be silently wrong. So does a
     call through the operator that no fake described (a dispatch mode, a
     torch.func transform): its caller gets the first such call's constants."""
     for (path, fake_value), (_, real_value) in zip(_constants(traced), _constants(real)):
-        if type(fake_value) is type(real_value) and (
-            fake_value == real_value or (fake_value != fake_value and real_value != real_value)  # nan
-        ):
+        if type(fake_value) is type(real_value) and _same_constant(fake_value, real_value):
             continue
         if from_real:
             raise LeafFunctionError(

@@ -932,9 +932,14 @@ def test_a_nan_constant_output_matches_a_nan_fake(backend):
         return x * 2, float("nan"), complex(float("nan"), 1.0)
 
     leaf = _leaf(metric, lambda x: (torch.empty_like(x), float("nan"), complex(float("nan"), 1.0)))
-    out, value, z = torch.compile(leaf, backend=backend, fullgraph=True)(torch.ones(2))
+    run = torch.compile(leaf, backend=backend, fullgraph=True)
+    out, value, z = run(torch.ones(2))
     torch.testing.assert_close(out, torch.full((2,), 2.0))
     assert math.isnan(value) and math.isnan(z.real) and z.imag == 1.0
+    # A nan in one part does not make the other part equal.
+    leaf._fn = lambda x: (x * 2, float("nan"), complex(float("nan"), 2.0))
+    with pytest.raises(LeafFunctionError, match=r"returned \(nan\+2j\) at output\[2\], but its fake implementation returned \(nan\+1j\)"):
+        run(torch.ones(2))
 
 
 @pytest.mark.parametrize("backend", COMPILED)
