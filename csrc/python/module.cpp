@@ -128,14 +128,16 @@ TensorList unpack_tensors(const py::handle& result, const std::string& leaf, con
     }
     // The list's references, and others'. Read before the tensor gains a C++
     // reference below: PyTorch then keeps its PyObject alive with one of its
-    // own. (One tensor returned twice is copied as an alias, not as held.)
+    // own. (One tensor returned twice is copied as an alias, not as held;
+    // it was judged at its first place in the list.)
     bool held_elsewhere = Py_REFCNT(item) > 1;
     if (held_elsewhere) {
       Py_ssize_t in_list = 0;
-      for (Py_ssize_t j = 0; j < n; ++j) {
+      for (Py_ssize_t j = 0; j < n && held_elsewhere; ++j) {
         in_list += PyList_GET_ITEM(result.ptr(), j) == item;
+        held_elsewhere = j >= i || PyList_GET_ITEM(result.ptr(), j) != item;
       }
-      held_elsewhere = Py_REFCNT(item) > in_list;
+      held_elsewhere = held_elsewhere && Py_REFCNT(item) > in_list;
     }
     out.push_back(THPVariable_Unpack(item));
     if (held != nullptr && held_elsewhere) {
