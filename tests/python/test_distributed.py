@@ -146,26 +146,26 @@ def test_fsdp2_sharded_head_with_unshard_before_the_leaf(tmp_path):
     run_ranks("fsdp-head-unshard", "eager", tmp_path)
 
 
-def test_fsdp2_compiled_call_with_a_separately_sharded_module_is_a_clear_error(tmp_path):
-    """Compiled, the workaround above left head's parameters without a
-    gradient, silently (FSDP's hooks for head's own parameters do not see the
-    leaf's use of them). Compiled calls refuse a module fully_shard was
-    applied to, naming the leaf and what works instead."""
-    returncodes, outputs, timed_out = _launch("fsdp-head-unshard", "aot_eager", tmp_path, _free_port())
+@pytest.mark.parametrize(
+    "mode, backend, says",
+    [
+        # head's own pre-forward hook, which gathers its parameters, would
+        # run inside the leaf, too late (DTensor's own error did not say what
+        # to shard instead).
+        ("fsdp-head", "eager", "argument whose 'weight' is a sharded DTensor"),
+        # Compiled, the workaround above left head's parameters without a
+        # gradient, silently: FSDP's hooks for head's own parameters do not
+        # see the leaf's use of them.
+        ("fsdp-head-unshard", "aot_eager", "argument that fully_shard was applied to, in a compiled call"),
+    ],
+    ids=["eager", "compiled_after_unshard"],
+)
+def test_fsdp2_separately_sharded_module_argument_is_a_clear_error(mode, backend, says, tmp_path):
+    """fully_shard(model.head); fully_shard(model): torchleaf names the leaf
+    and says what to shard instead."""
+    returncodes, outputs, timed_out = _launch(mode, backend, tmp_path, _free_port())
     assert not timed_out
     assert returncodes != [0] * WORLD
     for o in outputs:
-        assert "LeafFunctionError" in o and "argument that fully_shard was applied to, in a compiled call" in o, o[-3000:]
-        assert "Shard only a parent of the module (fully_shard(model))" in o
-
-
-def test_fsdp2_separately_sharded_module_argument_is_a_clear_error(tmp_path):
-    """fully_shard(model.head); fully_shard(model): head's own pre-forward
-    hook, which gathers its parameters, would run inside the leaf, too late.
-    torchleaf says what to shard instead (DTensor's own error did not)."""
-    returncodes, outputs, timed_out = _launch("fsdp-head", "eager", tmp_path, _free_port())
-    assert not timed_out
-    assert returncodes != [0] * WORLD
-    for o in outputs:
-        assert "LeafFunctionError" in o and "argument whose 'weight' is a sharded DTensor" in o, o[-3000:]
+        assert "LeafFunctionError" in o and says in o, o[-3000:]
         assert "Shard only a parent of the module (fully_shard(model))" in o
