@@ -857,8 +857,8 @@ TensorList run_real(
       // the graph gets a copy. (A tensor made in Python keeps a reference
       // from its PyObject: Python leaves say which outputs are held. Their
       // eager calls, which pass `arguments`, return what the function
-      // returned, as the plain function does; an output copied above is no
-      // longer the held one.)
+      // returned, as the plain function does; an output that
+      // copy_aliased_outputs replaced is no longer the held one.)
       const bool held = !site.outputs_held_known
           ? out.use_count() > 1
           : site.arguments == nullptr &&

@@ -126,18 +126,22 @@ TensorList unpack_tensors(const py::handle& result, const std::string& leaf, con
           std::string(what) + " function returned a " + Py_TYPE(item)->tp_name +
               " where a tensor was expected");
     }
-    // The list's references, and others'. Read before the tensor gains a C++
-    // reference below: PyTorch then keeps its PyObject alive with one of its
-    // own. (One tensor returned twice is copied as an alias, not as held;
-    // it was judged at its first place in the list.)
-    bool held_elsewhere = Py_REFCNT(item) > 1;
-    if (held_elsewhere) {
+    // Held when it has references besides the list's. Read before the
+    // tensor gains a C++ reference below: PyTorch then keeps its PyObject
+    // alive with one of its own. A tensor the list holds twice is judged at
+    // its first place (later, the C++ reference counts); the core copies its
+    // second place as an alias.
+    bool held_elsewhere = false;
+    if (Py_REFCNT(item) > 1) {
       Py_ssize_t in_list = 0;
-      for (Py_ssize_t j = 0; j < n && held_elsewhere; ++j) {
-        in_list += PyList_GET_ITEM(result.ptr(), j) == item;
-        held_elsewhere = j >= i || PyList_GET_ITEM(result.ptr(), j) != item;
+      bool first_place = true;
+      for (Py_ssize_t j = 0; j < n; ++j) {
+        if (PyList_GET_ITEM(result.ptr(), j) == item) {
+          first_place = first_place && j >= i;
+          ++in_list;
+        }
       }
-      held_elsewhere = held_elsewhere && Py_REFCNT(item) > in_list;
+      held_elsewhere = first_place && Py_REFCNT(item) > in_list;
     }
     out.push_back(THPVariable_Unpack(item));
     if (held != nullptr && held_elsewhere) {
