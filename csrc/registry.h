@@ -32,13 +32,13 @@ struct CallSite {
   // Set by the real implementation: a description of its outputs that the
   // caller receives with them (Python leaves: the output pytree), and that
   // output validation passes on to the fake implementation.
-  std::shared_ptr<void> result;
+  std::shared_ptr<void> result{};
   // Set by a real implementation that can tell which of its outputs
   // something besides the call still holds (Python leaves: a global, a cache
   // or a module attribute holds its PyObject): those outputs, and
   // `outputs_held_known`. Unknown: the core counts each output's references,
   // which is exact for tensors without a PyObject.
-  c10::SmallVector<const c10::TensorImpl*, 4> outputs_held;
+  c10::SmallVector<const c10::TensorImpl*, 4> outputs_held{};
   bool outputs_held_known = false;
 };
 
