@@ -443,6 +443,44 @@ TensorList backward_meta(
   return out;
 }
 
+// The int a carrier's size codes (Python leaves' _int_of_carrier).
+int64_t carried_value(int64_t size, bool zigzag) {
+  return !zigzag ? size : size % 2 == 0 ? size / 2 : -(size + 1) / 2;
+}
+
+void check_carried_int_kernel(
+    c10::string_view leaf,
+    const at::Tensor& carrier,
+    c10::SymInt expected,
+    bool zigzag) {
+  TORCHLEAF_CHECK(
+      carrier.dim() == 1,
+      std::string(leaf),
+      "got a ",
+      carrier.dim(),
+      "-d int carrier; torchleaf::check_carried_int takes the 1-d carrier of an int "
+      "output.");
+  const int64_t size = carrier.size(0);
+  const int64_t fake = expected.expect_int();
+  TORCHLEAF_CHECK(
+      size == fake,
+      std::string(leaf),
+      "returned the int ",
+      carried_value(size, zigzag),
+      " where its fake implementation returned ",
+      carried_value(fake, zigzag),
+      " (compiled code computes the fake's int from the inputs' sizes and uses it in "
+      "place of the function's). Make the fake return the same expression of the "
+      "inputs' sizes as the function, or an unbacked int "
+      "(torch.library.get_ctx().new_dynamic_size()) when the int depends on the data.");
+}
+
+void check_carried_int_meta(
+    c10::string_view /*leaf*/,
+    const at::Tensor& /*carrier*/,
+    c10::SymInt /*expected*/,
+    bool /*zigzag*/) {}
+
 // Functionalization of the mutating variants (auto_functionalize does not
 // handle list returns): call the functional variant on the unwrapped inputs,
 // then write the new values back into the functional tensors.
@@ -625,6 +663,12 @@ TORCH_LIBRARY(torchleaf, m) {
   // (stack_state_handles). An operator, not a helper, so that a traced
   // vmap(grad(leaf)) records it: the compiled graph stacks the real handles.
   m.def("stack_handles(Tensor[] handles) -> Tensor");
+  // An int output of a Python leaf, carried in compiled code as the size of
+  // a zero-stride tensor, against the fake's int (`expected`, which the
+  // graph computes from its inputs' sizes and uses downstream): a fake whose
+  // expression is wrong is an error, not a silently returned value. (The
+  // leaf by name: exported programs run in other processes.)
+  m.def("check_carried_int(str leaf, Tensor carrier, SymInt expected, bool zigzag) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(torchleaf, CompositeExplicitAutograd, m) {
@@ -636,6 +680,7 @@ TORCH_LIBRARY_IMPL(torchleaf, CompositeExplicitAutograd, m) {
   m.impl("forward_functional", &forward_functional_kernel);
   m.impl("backward", &backward_kernel);
   m.impl("stack_handles", &stack_state_handles);
+  m.impl("check_carried_int", &check_carried_int_kernel);
 }
 
 TORCH_LIBRARY_IMPL(torchleaf, Meta, m) {
@@ -647,6 +692,7 @@ TORCH_LIBRARY_IMPL(torchleaf, Meta, m) {
   m.impl("forward_functional", &forward_functional_meta);
   m.impl("backward", &backward_meta);
   m.impl("stack_handles", &stack_handles_meta);
+  m.impl("check_carried_int", &check_carried_int_meta);
 }
 
 namespace {

@@ -21,6 +21,11 @@
 //   torchleaf::backward(int leaf, Tensor state, Tensor?[] grads,
 //                       SymInt[] input_meta) -> Tensor[]
 //       Replays a captured graph: one gradient per differentiable input.
+//   torchleaf::check_carried_int(str leaf, Tensor carrier, SymInt expected,
+//                                bool zigzag) -> ()
+//       Compares a Python leaf's int output, carried in traced code as the
+//       size of a zero-stride tensor, with the fake's int that the graph
+//       uses downstream; an error naming the leaf when they differ.
 //
 // C++ leaves also own a named operator `ns::name(Tensor[] inputs
 // [, Tensor(a!)[] mutated]) -> Tensor[]` with the same kernels as `call`.
@@ -48,8 +53,8 @@ namespace torchleaf::ops {
 // operator is tagged cudagraph_unsafe. 4: Inductor copies an input of a
 // capturing operator that a later node of the graph writes to;
 // torchleaf::stack_handles; the capturing operators are tagged
-// nondeterministic_seeded.)
-constexpr int64_t kOperatorSchemaVersion = 4;
+// nondeterministic_seeded. 5: torchleaf::check_carried_int.)
+constexpr int64_t kOperatorSchemaVersion = 5;
 
 // Tags of every operator that runs a leaf's functions. cudagraph_unsafe:
 // a CUDA graph replays the kernels one call launched, so the function (its

@@ -640,13 +640,30 @@ def _flatten_output(leaf, out, traced=None):
     return tensors, _encode(leaf, out, tensors, traced)
 
 
-def _has_int_carriers(desc):
+def _int_carriers(desc):
+    """The _OUT_INT descriptions in `desc`."""
     kind = desc[0]
     if kind == _OUT_INT:
-        return True
-    if kind == _OUT_TENSOR or kind == _OUT_CONST:
-        return False
-    return any(map(_has_int_carriers, _children(desc)))
+        yield desc
+    elif kind != _OUT_TENSOR and kind != _OUT_CONST:
+        for child in _children(desc):
+            yield from _int_carriers(child)
+
+
+def _has_int_carriers(desc):
+    return next(_int_carriers(desc), None) is not None
+
+
+def _check_carried_ints(leaf, desc, tensors):
+    """In traced code, check each int the operator's outputs carry against
+    the fake's: the traced carrier's size is the fake's int, which the graph
+    computes from its inputs' sizes and uses downstream instead of the real
+    carrier's, so a wrong expression in a fake would silently become the
+    call's result. The check operator compares the two when the graph runs
+    (an operator with a side effect: never dead code)."""
+    for _, index, coding in _int_carriers(desc):
+        carrier = tensors[index]
+        _CHECK_CARRIED_INT(leaf._name, carrier, carrier.shape[0], coding == _INT_ZIGZAG)
 
 
 def _show(desc):
@@ -775,6 +792,7 @@ _is_compiling = torch.compiler.is_dynamo_compiling
 _is_exporting = torch.compiler.is_exporting
 _CALL = torch.ops.torchleaf.call.default
 _CALL_MUTATING = torch.ops.torchleaf.call_mutating.default
+_CHECK_CARRIED_INT = torch.ops.torchleaf.check_carried_int.default
 
 
 # Kinds of operator inputs, in a plan's order.
@@ -1982,7 +2000,10 @@ class LeafFunction:
         self._check_no_sharded_modules(flat)
         plan, inputs, mutated, _ = self._plan_for(flat, spec, traced=True)
         outputs, desc = _C.call(self._id, plan.index, inputs, mutated, None)
-        return _decode(desc if desc is not None else plan.out, outputs)
+        desc = desc if desc is not None else plan.out
+        if plan.out_carries and outputs and type(outputs[0]) is not _Tensor:  # traced (make_fx)
+            _check_carried_ints(self, desc, outputs)
+        return _decode(desc, outputs)
 
     def _check_no_sharded_modules(self, flat):
         for x in flat:
@@ -2030,7 +2051,10 @@ class LeafFunction:
         else:
             outputs = self._named_op(inputs, call)
         desc = _traced_output(self, plan_index)
-        return outputs[0] if desc is None else _decode(desc, outputs, self._output_types)
+        if desc is None:
+            return outputs[0]
+        _check_carried_ints(self, desc, outputs)
+        return _decode(desc, outputs, self._output_types)
 
     def _compiled_call(self, args, kwargs):
         # Traced by Dynamo: everything but the tensors (module tensors and
@@ -2054,6 +2078,7 @@ class LeafFunction:
                     desc = _traced_output(self, plan_index)
                     if desc is None:
                         return outputs[0]
+                    _check_carried_ints(self, desc, outputs)
                     return _decode(desc, outputs[:-1], self._output_types)
         if _is_exporting():
             return self._exported_call(*pytree.tree_flatten((args, kwargs)))
@@ -2145,7 +2170,10 @@ class LeafFunction:
         if stores_token:
             _ORDER_TOKEN = outputs[-1]
         desc = _traced_output(self, plan_index)
-        return outputs[0] if desc is None else _decode(desc, outputs[:-1], self._output_types)
+        if desc is None:
+            return outputs[0]
+        _check_carried_ints(self, desc, outputs)
+        return _decode(desc, outputs[:-1], self._output_types)
 
 
 def _carried_int(x):

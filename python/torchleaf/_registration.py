@@ -86,8 +86,9 @@ def _keep_captured_inputs_in_inductor():
     lowering Inductor would create for the operator (private, listed in
     docs/design.md).
 
-    Called by the capturing operators' fakes, which run while AOTAutograd
-    traces a graph, before Inductor lowers it; a no-op until Inductor is
+    Called by the capturing operators' fakes (and check_carried_int's, whose
+    lowering is wrapped here too), which run while AOTAutograd traces a
+    graph, before Inductor lowers it; a no-op until Inductor is
     imported (importing it here would cost every ``import torchleaf``)."""
     if _inductor_lowerings_installed or "torch._inductor.lowering" not in sys.modules:
         return
@@ -163,6 +164,24 @@ def _install_inductor_lowerings():
 
         lowering.lowerings[target] = unchecked_backward
 
+    def skip_check_of_carrier(target):
+        fallback = lowering.lowerings[target]
+
+        @functools.wraps(fallback)
+        def checked_by_the_operator(*args, **kwargs):
+            # The carrier's size is what the operator checks, with an error
+            # naming the leaf: Inductor's assert of it would fail first.
+            carrier = args[1] if len(args) > 1 else kwargs.get("carrier")
+            try:
+                buffer = V.graph.get_buffer(carrier.get_name())
+            except (AttributeError, NotImplementedError):
+                buffer = None
+            if isinstance(buffer, ir.MultiOutput):
+                _skip_size_check(buffer)
+            return fallback(*args, **kwargs)
+
+        lowering.lowerings[target] = checked_by_the_operator
+
     # A graph's input asserts are made when its wrapper code is generated,
     # after lowering: drop those of the state handles found above.
     from torch._inductor.codegen import wrapper as wrapper_codegen
@@ -185,6 +204,8 @@ def _install_inductor_lowerings():
         wrap(op, inputs_at=2)
     ensure_fallback(torch.ops.torchleaf.backward.default)
     skip_checks_of_backward(torch.ops.torchleaf.backward.default)
+    ensure_fallback(torch.ops.torchleaf.check_carried_int.default)
+    skip_check_of_carrier(torch.ops.torchleaf.check_carried_int.default)
     # A call that compiled activation checkpointing recomputes runs inside
     # these (the generator's state saved around the forward's call, restored
     # around the recomputation): run_and_save_rng_state(op, leaf, plan,
@@ -324,6 +345,11 @@ def _fake_backward(leaf, state, grads, input_meta):
     return grads_out
 
 
+def _fake_check_carried_int(leaf, carrier, expected, zigzag):
+    _keep_captured_inputs_in_inductor()  # installs the lowering that drops the carrier's assert
+    return None  # the fake's int is `expected` itself
+
+
 def _fake_stack_handles(handles):
     return handles[0].new_empty((len(handles), *handles[0].shape))
 
@@ -351,6 +377,7 @@ def _register_ops():
     torch.library.register_fake("torchleaf::forward_functional", _fake_forward_functional)
     torch.library.register_fake("torchleaf::backward", _fake_backward)
     torch.library.register_fake("torchleaf::stack_handles", _fake_stack_handles)
+    torch.library.register_fake("torchleaf::check_carried_int", _fake_check_carried_int)
     # Operators that run user code are never dead code (FX and Inductor keep
     # impure operators). Python leaves' compiled calls are ordered by the
     # token they thread (_leaf._ORDER_TOKEN), a data dependency that costs
@@ -364,6 +391,7 @@ def _register_ops():
         torch.ops.torchleaf.forward_functional,
         torch.ops.torchleaf.call_mutating,
         torch.ops.torchleaf.forward_mutating,
+        torch.ops.torchleaf.check_carried_int,
     ):
         has_side_effect(op.default)
     # Batching rules (torch.func.vmap): a per-sample loop, or a Python leaf's

@@ -69,6 +69,28 @@ TEST(Operators, MalformedInputMetaIsAnErrorInTheMetaKernel) {
   EXPECT_THROW_WITH(backward.call(leaf.id(), state, grads, meta({f32})), leaf.name());
 }
 
+TEST(Operators, CarriedIntsAreCheckedAgainstTheFakes) {
+  // A compiled Python leaf call returns an int as the size of a zero-stride
+  // carrier; the graph passes the fake's int, which it uses downstream.
+  using CheckSig = void(c10::string_view, const at::Tensor&, c10::SymInt, bool);
+  auto check = c10::Dispatcher::singleton()
+                   .findSchemaOrThrow("torchleaf::check_carried_int", "")
+                   .typed<CheckSig>();
+  auto carrier = [](int64_t size) { return torch::empty_strided({size}, {0}, torch::kLong); };
+  check.call("mylib.f", carrier(5), c10::SymInt(5), false);
+  EXPECT_THROW_WITH(
+      check.call("mylib.f", carrier(6), c10::SymInt(5), false),
+      "leaf function 'mylib.f' returned the int 6 where its fake implementation returned 5");
+  // Zigzag-coded (an int whose sign the trace could not know): 2n, -2n - 1.
+  check.call("mylib.f", carrier(7), c10::SymInt(7), true);
+  EXPECT_THROW_WITH(
+      check.call("mylib.f", carrier(7), c10::SymInt(6), true),
+      "returned the int -4 where its fake implementation returned 3");
+  EXPECT_THROW_WITH(
+      check.call("mylib.f", torch::zeros({}, torch::kLong), c10::SymInt(0), false),
+      "got a 0-d int carrier");
+}
+
 TEST(Operators, StateHandlesAreChecked) {
   auto leaf = square_leaf();
   auto other = square_leaf();

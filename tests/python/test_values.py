@@ -173,6 +173,52 @@ def test_int_outputs_that_change_between_calls(backend):
         torch.testing.assert_close(y, torch.full((b,), 2.0))
 
 
+@pytest.mark.parametrize("backend", [*COMPILED, "make_fx"])
+def test_a_fake_whose_int_expression_is_wrong_is_an_error(backend):
+    """Compiled code computes an int output from the fake's expression of
+    the inputs' sizes, not from the function's int: a fake whose expression
+    differs is an error naming the leaf and both ints, never the fake's
+    value returned silently. Size-coded and zigzag-coded ints alike."""
+    torch._dynamo.reset()
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def count(x):
+        return x * 2, x.shape[0] + 1
+
+    def offset(x):
+        return x * 2, x.shape[0] - 5
+
+    cases = (
+        (count, lambda x: x.shape[0], "returned the int 5 where its fake implementation returned 4"),
+        (offset, lambda x: x.shape[0] - 4, "returned the int -1 where its fake implementation returned 0"),
+    )
+    for fn, fake_int, message in cases:
+        wrong = _leaf(fn, lambda x, fake_int=fake_int: (torch.empty_like(x), fake_int(x)))
+        right = _leaf(fn, lambda x, fn=fn: (torch.empty_like(x), fn(x)[1]))
+        for leaf in (wrong, right):
+            use = _summed_times_int(leaf)
+            if backend == "make_fx":
+                compiled = make_fx(use, tracing_mode="symbolic")(torch.randn(3))
+            else:
+                compiled = torch.compile(use, backend=backend, fullgraph=True, dynamic=True)
+            x = torch.randn(4)
+            if leaf is wrong and (backend != "make_fx" or fn is count):
+                with pytest.raises(LeafFunctionError, match=rf"'{wrong._name}' {message}"):
+                    compiled(x)
+            else:
+                # (make_fx's graph reads a zigzag-coded int from the real
+                # carrier: the function's int, whatever the fake's.)
+                torch.testing.assert_close(compiled(x), _summed_times_int(fn)(x))
+
+
+def _summed_times_int(leaf):
+    def use(x):
+        y, n = leaf(x)
+        return y.sum() * n
+
+    return use
+
+
 class _Record(dict):
     def total(self):
         return sum(v.sum() for v in self.values())
