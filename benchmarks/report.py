@@ -430,7 +430,12 @@ def structure_markdown(structure):
         "a backward that is an opaque operator (a leaf's body cannot be traced, so its backward "
         "cannot either), then also a handle from the forward that the backward operator takes (how "
         "a leaf's backward finds the graph its forward recorded, with no state hidden between "
-        "calls). Those two variants record and replay nothing; torchleaf does both.",
+        "calls). Those two variants record and replay nothing; torchleaf does both. The handle "
+        "is a tensor because it owns what it names: the state is freed with the graph that saved "
+        "it, also when no backward runs. A variant whose handle is an int (which the graph "
+        "saves as a Python int, not a tensor) measures what that ownership costs; an int owns "
+        "nothing, so a leaf with such a handle would leak every state whose graph was dropped "
+        "without a backward.",
         "",
         *structure_module.markdown(structure),
         "",
@@ -439,11 +444,13 @@ def structure_markdown(structure):
     for backend, rows in structure.items():
         c, h, t = rows["custom_op"], rows[structure_module.HANDLE], rows["torchleaf"]
         token = t[1] - rows[structure_module.NO_STORE][1]
+        owning = h[1] - rows[structure_module.INT_HANDLE][1]
         out.append(
             f"- {backend}: each call after the first, torchleaf {slope(t):+.1f} µs against custom_op's "
             f"{slope(c):+.1f}; paid once per step, {once(t):+.1f} against {once(c):+.1f}, of which the "
             f"order token's store {token:+.1f}. custom_op given an opaque backward and a handle, "
-            f"recording and replaying nothing: {slope(h):+.1f} per call, {once(h):+.1f} once per step."
+            f"recording and replaying nothing: {slope(h):+.1f} per call, {once(h):+.1f} once per step; "
+            f"a tensor handle rather than an int (what owning the state costs, one call): {owning:+.1f}."
         )
     out += [
         "",

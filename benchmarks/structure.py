@@ -13,7 +13,11 @@ per call and which is the structure every leaf must have.
   opaque operator (a leaf's body cannot be traced, so neither can its
   backward), and a handle from the forward to that operator (how the backward
   finds the graph its forward recorded without state hidden between calls).
-  Neither variant records or replays anything; torchleaf does both.
+  Neither variant records or replays anything; torchleaf does both. A
+  third variant passes the handle as an int (a SymInt the compiled graph
+  saves as a Python int) instead of a tensor: a measurement only, since an
+  int cannot own what it names, so a graph dropped without its backward
+  would leak the state a leaf's handle frees.
 * **The order token's store** -- torchleaf traced without storing its last
   call's order token (a graph output Dynamo writes to a global after each
   step, so that no call is dead code whatever the use of its outputs). A
@@ -43,6 +47,7 @@ CHAINED = (("plain", build_plain), ("custom_op", build_custom_op), ("torchleaf",
 NAMESPACE = "torchleaf_structure"
 OPAQUE = "custom_op, backward an opaque operator"
 HANDLE = "custom_op, backward an opaque operator taking a handle from the forward"
+INT_HANDLE = "custom_op, backward an opaque operator taking an int from the forward (owns nothing: measurement only)"
 NO_STORE = "torchleaf, order token not stored (unsafe: measurement only)"
 # The variants chained 1, 2 and 4 times, in the tables' order.
 CHAINED_ROWS = ("custom_op", OPAQUE, HANDLE, "torchleaf")
@@ -62,7 +67,8 @@ def _order_token_not_stored():
 
 def _opaque_backward_ops():
     """(forward op whose backward is an opaque operator, the same forward
-    also returning a handle that its backward operator takes)."""
+    also returning a handle that its backward operator takes, the same with
+    an int for a handle)."""
 
     @torch.library.custom_op(f"{NAMESPACE}::backward", mutates_args=())
     def backward(g: torch.Tensor) -> torch.Tensor:
@@ -95,7 +101,26 @@ def _opaque_backward_ops():
     body_with_handle.register_autograd(
         lambda ctx, g, _: backward_with_handle(g, ctx.saved_tensors[0]), setup_context=setup_context
     )
-    return body, lambda x: body_with_handle(x)[0]
+
+    @torch.library.custom_op(f"{NAMESPACE}::backward_with_int", mutates_args=())
+    def backward_with_int(g: torch.Tensor, handle: int) -> torch.Tensor:
+        return g * 2
+
+    backward_with_int.register_fake(lambda g, handle: torch.empty_like(g))
+
+    @torch.library.custom_op(f"{NAMESPACE}::body_with_int", mutates_args=())
+    def body_with_int(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return x * 2 + 1, 0
+
+    # (An unbacked int: the compiled graph gets it from the operator at run
+    # time, and also asserts that it is >= 0, a size's range.)
+    body_with_int.register_fake(lambda x: (torch.empty_like(x), torch.library.get_ctx().new_dynamic_size()))
+
+    def setup_int(ctx, inputs, output):
+        ctx.handle = output[1]
+
+    body_with_int.register_autograd(lambda ctx, g, _: backward_with_int(g, ctx.handle), setup_context=setup_int)
+    return body, lambda x: body_with_handle(x)[0], lambda x: body_with_int(x)[0]
 
 
 def _chain(call, k, name):
@@ -107,11 +132,12 @@ def _chain(call, k, name):
     return scope[name]
 
 
-def _steps(backend, opaque, with_handle):
+def _steps(backend, opaque, with_handle, with_int):
     x = torch.randn(64, requires_grad=True)
     steps = {}
     variants = [(key, build(SMALL), CALLS) for key, build in CHAINED]
-    variants += [(OPAQUE, opaque, CALLS), (HANDLE, with_handle, CALLS), (NO_STORE, build_torchleaf(SMALL), (1,))]
+    variants += [(OPAQUE, opaque, CALLS), (HANDLE, with_handle, CALLS), (INT_HANDLE, with_int, (1,))]
+    variants += [(NO_STORE, build_torchleaf(SMALL), (1,))]
     for n, (key, call, counts) in enumerate(variants):
         for k in counts:
             fn = torch.compile(_chain(call, k, f"step_{backend}_{n}_{k}"), backend=backend, fullgraph=True)
@@ -129,11 +155,11 @@ def run(quick=False, log=print):
     one call only."""
     torch.set_num_threads(1)
     rounds, batch = (5, 10) if quick else (61, 50)
-    opaque, with_handle = _opaque_backward_ops()
+    structure_ops = _opaque_backward_ops()
     result = {}
     for backend in BACKENDS:
         torch._dynamo.reset()
-        timings = time_interleaved(_steps(backend, opaque, with_handle), batch=batch, rounds=rounds)
+        timings = time_interleaved(_steps(backend, *structure_ops), batch=batch, rounds=rounds)
         result[backend] = {}
         for (key, k), t in timings.items():
             if key != "plain":
@@ -142,6 +168,7 @@ def run(quick=False, log=print):
         row = result[backend]
         log(f"  {backend}: one call custom_op +{row['custom_op'][1]:.1f}, torchleaf +{row['torchleaf'][1]:.1f}, "
             f"opaque backward +{row[OPAQUE][1]:.1f}, with handle +{row[HANDLE][1]:.1f}, "
+            f"with an int handle +{row[INT_HANDLE][1]:.1f}, "
             f"token not stored +{row[NO_STORE][1]:.1f} µs")
     return result
 
@@ -175,7 +202,7 @@ def markdown(result):
     ]
     for backend, rows in result.items():
         base = rows["custom_op"][1]
-        for key in ("custom_op", OPAQUE, HANDLE, "torchleaf", NO_STORE):
+        for key in ("custom_op", OPAQUE, HANDLE, INT_HANDLE, "torchleaf", NO_STORE):
             out.append(f"| {backend} | {key} | {rows[key][1]:+.1f} | {rows[key][1] - base:+.1f} |")
     return out
 

@@ -38,6 +38,7 @@ def test_quick_benchmark_run(tmp_path):
                        for line in table.splitlines()), table
         assert f"- {backend}: each call after the first, torchleaf" in table
         assert f"| {backend} | torchleaf, order token not stored" in table
+        assert f"| {backend} | custom_op, backward an opaque operator taking an int" in table
     assert (tmp_path / "overhead.png").stat().st_size > 0
     assert (tmp_path / "results.json").exists()
 
