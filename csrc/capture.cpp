@@ -367,14 +367,32 @@ class CallMembership {
   c10::SmallVector<Node*, 16> inside_;
 };
 
-// The error for inputs the body made require grad (the caller's did not).
-std::string requires_grad_set_inside(c10::ArrayRef<size_t> inputs) {
-  std::ostringstream ss;
-  ss << "called requires_grad_() on its input";
-  for (size_t n = 0; n < inputs.size(); ++n) {
-    ss << (n == 0 ? " " : ", ") << inputs[n];
+// "input 2 (argument 'buf')" where the leaf can name its inputs (Python
+// leaves), else "input 2 (flattened position)".
+std::string describe_input(const LeafEntry& entry, int64_t plan, size_t i) {
+  std::string name;
+  if (entry.input_name) {
+    try {
+      name = entry.input_name(plan, i);
+    } catch (const std::exception&) {
+      name.clear(); // an error message must not fail for want of a name
+    }
   }
-  ss << " (flattened position) inside the function. A leaf's inputs are "
+  return name.empty() ? c10::str("input ", i, " (flattened position)")
+                      : c10::str("input ", i, " (", name, ")");
+}
+
+// The error for inputs the body made require grad (the caller's did not).
+std::string requires_grad_set_inside(
+    const LeafEntry& entry,
+    int64_t plan,
+    c10::ArrayRef<size_t> inputs) {
+  std::ostringstream ss;
+  ss << "called requires_grad_() on its ";
+  for (size_t n = 0; n < inputs.size(); ++n) {
+    ss << (n == 0 ? "" : ", ") << describe_input(entry, plan, inputs[n]);
+  }
+  ss << " inside the function. A leaf's inputs are "
         "differentiable as its caller passes them, and gradients of an input "
         "that did not require grad have nowhere to go: make the argument "
         "require grad before calling the leaf, or, for torch.autograd.grad "
@@ -436,6 +454,7 @@ void describe_escaped(
 // its edge.
 void walk_captured_graph(
     const LeafEntry& entry,
+    int64_t plan,
     CapturedState& state,
     const TensorList& inner,
     uint64_t first_sequence_nr,
@@ -484,7 +503,7 @@ void walk_captured_graph(
   }
   if (!grad_enabled_inputs.empty()) {
     std::ostringstream ss;
-    ss << requires_grad_set_inside(grad_enabled_inputs);
+    ss << requires_grad_set_inside(entry, plan, grad_enabled_inputs);
     if (!escaped.empty()) {
       ss << " It also uses " << escaped.size()
          << " tensor(s) that require grad but are not among its inputs (closures, globals).";
@@ -748,9 +767,8 @@ TensorList run_real(
       TORCHLEAF_CHECK(
           inputs[i]._version() == versions[i],
           entry.name,
-          "mutated its input ",
-          i,
-          " (flattened position)",
+          "mutated its ",
+          describe_input(entry, site.plan, i),
           views_of_one_tensor(inputs, i),
           " in place without declaring it. Declare it "
           "with mutates_args={...} (Python) or LeafOptions::mutates (C++), "
@@ -802,7 +820,7 @@ TensorList run_real(
                               : Edge());
     }
     walk_captured_graph(
-        entry, *state, inner, first_sequence_nr, entry.check_escaped_gradients());
+        entry, site.plan, *state, inner, first_sequence_nr, entry.check_escaped_gradients());
     if (caller_edges != nullptr) {
       // An output computed only from escaped tensors lost its edge; eager
       // outputs keep their own history otherwise, which would still lead
@@ -834,7 +852,7 @@ TensorList run_real(
           TORCHLEAF_CHECK(
               grad_enabled_inputs.empty(),
               entry.name,
-              requires_grad_set_inside(grad_enabled_inputs));
+              requires_grad_set_inside(entry, site.plan, grad_enabled_inputs));
         }
         // (A leaf tensor made inside the function has no history to lose.)
         TORCHLEAF_CHECK(

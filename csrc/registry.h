@@ -65,6 +65,11 @@ struct TORCHLEAF_API LeafEntry : std::enable_shared_from_this<LeafEntry> {
   std::string name;
   LeafImpl real;
   LeafImpl fake; // empty: tracing fails with "requires a fake implementation"
+  // Python leaves: how the caller wrote flat input `index` of a call of
+  // `plan` ("argument 'x'", "argument 'model.weight'"), for error messages;
+  // an empty string when it cannot say. Unset for C++ leaves, whose inputs
+  // are their positions. Called only when an error is raised.
+  std::function<std::string(int64_t plan, size_t index)> input_name;
   LeafOptions options;
   // C++ leaves: their named operator `name`, and the fragment that defines it
   // (kept alive so the registration stays in place). Python leaves go through

@@ -90,12 +90,14 @@ std::shared_ptr<void> hold(py::object o) {
 // A Python leaf, as the core calls it. `runner(leaf_ref, plan, tensors,
 // arguments)` runs the user's function and returns (tensors, output
 // description); `fake_runner(leaf_ref, plan, tensors, arguments, real_desc)`
-// runs its fake and returns tensors. `leaf_ref` is a weak reference to the
-// Python LeafFunction: the core holds no user object.
+// runs its fake and returns tensors; `input_namer(leaf_ref, plan, index)`
+// names an input for an error message (LeafEntry::input_name). `leaf_ref` is
+// a weak reference to the Python LeafFunction: the core holds no user object.
 struct PythonLeaf {
   std::shared_ptr<void> runner;
   std::shared_ptr<void> fake_runner;
   std::shared_ptr<void> leaf_ref;
+  std::shared_ptr<void> input_namer; // may hold None
 };
 
 PyObject* ptr(const std::shared_ptr<void>& held) {
@@ -203,15 +205,31 @@ TensorList run_python_fake(const PythonLeaf& leaf, const std::string& name,
   return unpack_tensors(result, name, "fake");
 }
 
+std::string name_python_input(const PythonLeaf& leaf, int64_t plan, size_t index) {
+  py::gil_scoped_acquire gil;
+  py::handle namer(ptr(leaf.input_namer));
+  if (namer.is_none()) {
+    return {};
+  }
+  try {
+    py::object name = namer(py::handle(ptr(leaf.leaf_ref)), plan, index);
+    return name.is_none() ? std::string() : name.cast<std::string>();
+  } catch (py::error_already_set&) {
+    return {}; // named by position instead (describe_input)
+  }
+}
+
 int64_t define_python_leaf(
     const std::string& name,
     py::object runner,
     py::object fake_runner,
     py::object leaf_ref,
     std::optional<bool> validate_outputs,
-    std::optional<bool> check_escaped_gradients) {
-  auto leaf = std::make_shared<PythonLeaf>(
-      PythonLeaf{hold(std::move(runner)), hold(std::move(fake_runner)), hold(std::move(leaf_ref))});
+    std::optional<bool> check_escaped_gradients,
+    py::object input_namer) {
+  auto leaf = std::make_shared<PythonLeaf>(PythonLeaf{
+      hold(std::move(runner)), hold(std::move(fake_runner)), hold(std::move(leaf_ref)),
+      hold(std::move(input_namer))});
   auto entry = std::make_shared<LeafEntry>();
   entry->name = name;
   entry->real = [leaf, name](const TensorList& in, CallSite& site) {
@@ -219,6 +237,9 @@ int64_t define_python_leaf(
   };
   entry->fake = [leaf, name](const TensorList& in, CallSite& site) {
     return run_python_fake(*leaf, name, in, site);
+  };
+  entry->input_name = [leaf](int64_t plan, size_t index) {
+    return name_python_input(*leaf, plan, index);
   };
   entry->options.validate_outputs = validate_outputs;
   entry->options.check_escaped_gradients = check_escaped_gradients;
@@ -330,11 +351,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("define_python_leaf", &define_python_leaf,
         py::arg("name"), py::arg("runner"), py::arg("fake_runner"),
         py::arg("leaf_ref"), py::arg("validate_outputs") = py::none(),
-        py::arg("check_escaped_gradients") = py::none(),
+        py::arg("check_escaped_gradients") = py::none(), py::arg("input_namer") = py::none(),
         "Register a Python leaf with the core and return its id. The core "
         "calls runner(leaf_ref, plan, tensors, arguments) -> (tensors, "
         "output description) and fake_runner(leaf_ref, plan, tensors, "
-        "arguments, real description or None) -> tensors; `leaf_ref` should "
+        "arguments, real description or None) -> tensors; for an error "
+        "message, input_namer(leaf_ref, plan, index) -> str or None names the "
+        "call's flat input `index` as its caller wrote it. `leaf_ref` should "
         "be a weak reference, so that the core keeps no user object alive.");
   m.def("bind_named_operator", &bind_named_operator, py::arg("name"), py::arg("leaf"),
         py::arg("mutating"), py::arg("resolver"),

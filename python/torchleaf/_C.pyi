@@ -19,12 +19,15 @@ def define_python_leaf(
     leaf_ref: Any,
     validate_outputs: Optional[bool] = None,
     check_escaped_gradients: Optional[bool] = None,
+    input_namer: Optional[Callable[[Any, int, int], Optional[str]]] = None,
 ) -> int:
     """Register a Python leaf with the core and return its id. The core calls
     runner(leaf_ref, plan, tensors, arguments) -> (tensors, output
     description) and fake_runner(leaf_ref, plan, tensors, arguments, real
-    description or None) -> tensors; `leaf_ref` should be a weak reference, so
-    that the core keeps no user object alive."""
+    description or None) -> tensors; for an error message,
+    input_namer(leaf_ref, plan, index) -> str or None names the call's flat
+    input `index` as its caller wrote it. `leaf_ref` should be a weak
+    reference, so that the core keeps no user object alive."""
 
 def bind_named_operator(
     name: str, leaf: int, mutating: bool, resolver: Callable[[int, str], int]

@@ -1269,6 +1269,30 @@ def _run_real(leaf_ref, plan_index, tensors, arguments):
     return flat, desc
 
 
+def _input_name(leaf_ref, plan_index, index):
+    """Called by the core for an error message: call input ``index`` of plan
+    ``plan_index`` as its caller wrote it ("argument 'x'", "argument
+    'model.bn.running_mean'"); None for what the caller did not pass (a
+    module's handle, the order token) or cannot be placed (the mutated
+    tensors after them)."""
+    leaf = leaf_ref()
+    plan = None if leaf is None else leaf._plans.get(plan_index)
+    if plan is None:
+        return None
+    n = 0
+    for kind, pos, structure in plan.slots:
+        count = _module_inputs(kind, structure) if kind in _MODULE_KINDS else 1
+        if index < n + count:
+            path = leaf._argument_path(plan.spec, pos)
+            if path is None or kind not in (_IN_TENSOR, _IN_NDARRAY, *_MODULE_KINDS):
+                return None  # (an int's or a float's carrier: the body never sees it)
+            if kind in _MODULE_KINDS:
+                path += "." + structure[2][index - n]  # the tensor's name in the module
+            return f"argument {path!r}"
+        n += count
+    return None
+
+
 def _run_fake(leaf_ref, plan_index, tensors, arguments, real_desc):
     """Called by the core: run the fake for one call (tracers, or validation of
     the real call whose description is ``real_desc``)."""
@@ -1748,7 +1772,8 @@ class LeafFunction:
         self._lock = threading.Lock()
         # The core holds only a weak reference: the leaf dies with its last user.
         self._id = _C.define_python_leaf(
-            self._name, _run_real, _run_fake, weakref.ref(self), validate_outputs, check_escaped_gradients
+            self._name, _run_real, _run_fake, weakref.ref(self), validate_outputs, check_escaped_gradients,
+            _input_name,
         )
         weakref.finalize(self, _C.release_python_leaf, self._id)
         if name is not None:
@@ -1831,6 +1856,12 @@ class LeafFunction:
 
     def _argument_at(self, spec, pos):
         """The parameter whose value holds flat argument ``pos`` (error messages)."""
+        path = self._argument_path(spec, pos)
+        return f"flat argument {pos}" if path is None else repr(path)
+
+    def _argument_path(self, spec, pos):
+        """'state["a"]': the parameter whose value holds flat argument ``pos``
+        and where in it; None where the call does not match the signature."""
         marked = [object() for _ in range(spec.num_leaves)]
         args, kwargs = pytree.tree_unflatten(marked, spec)
         try:
@@ -1840,8 +1871,8 @@ class LeafFunction:
         for name, value in bound.items():
             for path, x in pytree.tree_flatten_with_path(value)[0]:
                 if x is marked[pos]:
-                    return repr(name + pytree.keystr(path))  # 'state["a"]' where one is inside
-        return f"flat argument {pos}"
+                    return name + pytree.keystr(path)
+        return None
 
     def _plan_from_key(self, spec, key, mode, autocast=None, grad=False):
         """The plan for a call key: per flat argument _TENSOR, a module

@@ -205,9 +205,9 @@ CASES = [
     (fake_device, LeafFunctionError, r"output 0 is on device cpu but its fake implementation puts it on meta"),
     (fake_wrong_in_compiled_graph, LeafFunctionError, r"output 0 has 1-d shape \[3\] but the fake implementation "
      r"returned 2-d shape \[2, 3\] when the graph was traced\. .*Fix the fake implementation"),
-    (undeclared_mutation, LeafFunctionError, r"mutated its input 0 .* in place without declaring it"),
-    (input_made_to_require_grad, LeafFunctionError, r"called requires_grad_\(\) on its input 1 \(flattened position\) inside the function\. .*make the argument require grad before calling the leaf"),
-    (input_made_to_require_grad_no_grad_inputs, LeafFunctionError, r"called requires_grad_\(\) on its input 1 \(flattened"),
+    (undeclared_mutation, LeafFunctionError, r"mutated its input 0 \(argument 'x'\) in place without declaring it"),
+    (input_made_to_require_grad, LeafFunctionError, r"called requires_grad_\(\) on its input 1 \(argument 'w'\) inside the function\. .*make the argument require grad before calling the leaf"),
+    (input_made_to_require_grad_no_grad_inputs, LeafFunctionError, r"called requires_grad_\(\) on its input 1 \(argument 'w'\)"),
     (multi_grad_hook, LeafFunctionError, r"cannot take a multi-grad hook: register_multi_grad_hook .* is not supported"),
     (unknown_mutates_args, LeafFunctionError, r"mutates_args=\['buffer'\], which is not a parameter"),
     (escaped_gradients, LeafFunctionError, r"uses 1 tensor\(s\) that require grad but are not among its inputs"),
