@@ -507,9 +507,13 @@ def _encode(leaf, obj, tensors, traced=None):
         if traced is not None and traced[0] == _OUT_INT:
             coding = traced[2]  # as the call structure's earlier traces
         else:
-            # Known non-negative without a guard (a size, an unbacked count):
-            # the size itself, which binds an unbacked symbol; else zigzag.
-            coding = _INT_SIZE if statically_known_true(obj >= 0) else _INT_ZIGZAG
+            # A size or an unbacked count (a bare symbol known non-negative):
+            # the size itself, which binds an unbacked symbol. Any other
+            # expression is zigzag-coded, even one the trace knows is
+            # non-negative: it knows so from dynamic sizes >= 2 (s0 - 2), and
+            # later traces of the call structure, which keep this coding,
+            # may specialize a size to 0 or 1.
+            coding = _INT_SIZE if obj.node.expr.is_Symbol and statically_known_true(obj >= 0) else _INT_ZIGZAG
         tensors.append(_int_carrier(leaf, obj, coding))
         return (_OUT_INT, len(tensors) - 1, coding)
     if traced is not None and traced[0] == _OUT_INT and type(obj) is int:

@@ -1097,3 +1097,35 @@ def test_non_tensor_outputs_through_the_operator_without_a_fake():
         with pytest.raises(LeafFunctionError, match=r"returned 2 at output\[1\], but 1 there on its first call"):
             counted(x)
     assert counted(x)[1] == 3  # eagerly, every call's own
+
+
+@pytest.mark.parametrize("backend", [*COMPILED, "make_fx"])
+def test_an_int_that_a_later_trace_makes_negative(backend):
+    """A fake's int expression that the first trace knows is non-negative
+    only because dynamic sizes are >= 2 (x.shape[0] - 2) is carried so that
+    a later trace, which specializes a size to 1 or 0, returns it negative:
+    the fake is right, so every call returns the plain function's int."""
+    torch._dynamo.reset()
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def body(x):
+        return x * 2, x.shape[0] - 2
+
+    leaf = _leaf(body, lambda x: (torch.empty_like(x), x.shape[0] - 2))
+
+    def use(f):
+        def step(x):
+            y, n = f(x)
+            return y.sum() + n, n
+
+        return step
+
+    if backend == "make_fx":
+        compiled = make_fx(use(leaf), tracing_mode="symbolic")(torch.randn(5))
+    else:
+        compiled = torch.compile(use(leaf), backend=backend, fullgraph=True, dynamic=True)
+    for size in (5, 3, 1, 0, 2):
+        x = torch.randn(size)
+        got, expected = compiled(x), use(body)(x)
+        assert got[1] == expected[1] == size - 2
+        torch.testing.assert_close(got[0], expected[0])
