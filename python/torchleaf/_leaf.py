@@ -850,7 +850,7 @@ class _Plan:
 
     __slots__ = (
         "index", "spec", "template", "slots", "mutated", "ordered", "positional", "out",
-        "out_plain", "out_from_real", "out_carries", "autocast", "out_dtypes", "grad",
+        "out_plain", "out_from_real", "out_carries", "autocast", "out_dtypes", "grad", "containers",
     )
 
     def __init__(self, index, spec, template, slots, mutated, mode, positional, autocast=None, grad=False):
@@ -863,6 +863,10 @@ class _Plan:
         self.mutated = mutated  # flat positions of declared-mutable tensors
         self.ordered = mode == _COMPILED
         self.positional = positional  # tensors only, by position: call fn(*tensors)
+        # (args index or kwargs key, first flat position, spec) of each
+        # argument that holds a mutable container, which the real function
+        # gets rebuilt (check_containers_unchanged).
+        self.containers = () if positional else _mutable_container_arguments(spec)
         self.out = None  # the fake's output description, once traced
         self.out_plain = False  # whether `out` holds no constants
         self.out_from_real = False  # `out` came from a real call, no fake ran
@@ -970,7 +974,62 @@ class _Plan:
             bindings = [b for b in bindings if b[0] is not module]
             bindings.append((module, structure, own, kind))
         args, kwargs = pytree.tree_unflatten(flat, self.spec)
-        return args, kwargs, bindings
+        return args, kwargs, bindings, flat
+
+    def check_containers_unchanged(self, leaf, args, kwargs, flat):
+        """After the real function ran on containers rebuilt for the call:
+        an error if it changed one in place (``log.append(...)``,
+        ``cfg["k"] = v``), which the caller's own container would never see."""
+        for key, start, spec, keys in self.containers:
+            obj = args[key] if type(key) is int else kwargs[key]
+            end = start + spec.num_leaves
+            if keys is not None:  # a plain list or dict of leaves: compared directly
+                if type(obj) is list:
+                    unchanged = len(obj) == len(keys) and all(map(operator.is_, obj, flat[start:end]))
+                else:
+                    unchanged = list(obj) == keys and all(map(operator.is_, obj.values(), flat[start:end]))
+            else:
+                leaves, now = pytree.tree_flatten(obj)
+                unchanged = now == spec and all(map(operator.is_, leaves, flat[start:end]))
+            if not unchanged:
+                raise LeafFunctionError(
+                    f"torchleaf: leaf function '{leaf._name}' changed its argument "
+                    f"{leaf._parameter_name(key)!r} (a "
+                    f"{type(obj).__name__}) in place. A leaf function gets its own copy of each list, "
+                    f"dict or other container it is passed (the tensors inside become the call's "
+                    f"own), so the caller's container would not see the change. Return what the "
+                    f"function computes and update the container outside the leaf, or pass an "
+                    f"object of a class of your own, which the function gets itself."
+                )
+
+
+def _mutable_container_arguments(spec):
+    """(args index or kwargs key, first flat position, spec, keys) of the
+    top-level call arguments in `spec` ((args, kwargs)) that hold a container
+    other than a tuple; `keys`, for a plain list or dict of leaves only (the
+    common case, checked without a pytree), its indices or keys."""
+    args_spec, kwargs_spec = spec.children()
+    names = list(range(args_spec.num_children)) + list(kwargs_spec.context)
+    found, start = [], 0
+    for name, sub in zip(names, [*args_spec.children(), *kwargs_spec.children()]):
+        if _holds_mutable_container(sub):
+            flat_items = all(child.is_leaf() for child in sub.children())
+            keys = None
+            if flat_items and sub.type is list:
+                keys = list(range(sub.num_children))
+            elif flat_items and sub.type is dict:
+                keys = list(sub.context)
+            found.append((name, start, sub, keys))
+        start += sub.num_leaves
+    return tuple(found)
+
+
+def _holds_mutable_container(spec):
+    if spec.is_leaf():
+        return False
+    if not issubclass(spec.type, tuple):  # a list, a dict, a dataclass...
+        return True
+    return any(_holds_mutable_container(child) for child in spec.children())
 
 
 def _module_inputs(kind, structure):
@@ -1009,9 +1068,12 @@ def _add_aliases(module, mapping, names, aliases, own):
 def _invoke(leaf, fn, plan, tensors, arguments, fake):
     if plan.positional:
         return fn(*tensors[: len(plan.slots)]) if plan.ordered else fn(*tensors)
-    args, kwargs, bindings = plan.rebuild(leaf, tensors, arguments, fake)
+    args, kwargs, bindings, flat = plan.rebuild(leaf, tensors, arguments, fake)
     if not bindings:
-        return fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
+        if plan.containers and not fake:
+            plan.check_containers_unchanged(leaf, args, kwargs, flat)
+        return out
     checked = arguments.views if type(arguments) is _CheckedArguments else ()
     binders = []
     for module, structure, own, kind in bindings:
@@ -1033,6 +1095,8 @@ def _invoke(leaf, fn, plan, tensors, arguments, fake):
                 entered.pop().exit()
     for binder in binders:
         binder.check(leaf)
+    if plan.containers and not fake:
+        plan.check_containers_unchanged(leaf, args, kwargs, flat)
     return out
 
 
@@ -1862,6 +1926,16 @@ class LeafFunction:
         """The parameter whose value holds flat argument ``pos`` (error messages)."""
         path = self._argument_path(spec, pos)
         return f"flat argument {pos}" if path is None else repr(path)
+
+    def _parameter_name(self, key):
+        """The name of positional argument `key` (an int), or keyword `key`."""
+        if type(key) is not int:
+            return key
+        params = list(getattr(self._signature, "parameters", {}).values())
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        if key < len(params) and params[key].kind in positional:
+            return params[key].name
+        return f"positional argument {key}"
 
     def _argument_path(self, spec, pos):
         """'state["a"]': the parameter whose value holds flat argument ``pos``

@@ -1129,3 +1129,50 @@ def test_an_int_that_a_later_trace_makes_negative(backend):
         got, expected = compiled(x), use(body)(x)
         assert got[1] == expected[1] == size - 2
         torch.testing.assert_close(got[0], expected[0])
+
+
+@pytest.mark.parametrize("mode", ["eager", *COMPILED])
+def test_a_container_argument_changed_in_place_is_an_error(mode):
+    """A leaf gets its own copy of each list or dict argument (the tensors
+    inside become the call's own): an append or an assignment there would
+    never reach the caller's container, where the plain function changes
+    it, so it is an error naming the argument. Containers the function only
+    reads pass, and an object of the user's own class is the function's
+    itself: changes to it persist, eager and compiled."""
+    torch._dynamo.reset()
+
+    class Log:
+        def __init__(self):
+            self.items = []
+
+    def scale(x, factors, log):
+        log.items.append(len(factors["by"]))
+        return x * factors["by"][0]
+
+    def append(x, history):
+        history.append(float(x.sum()))
+        return x * 2
+
+    def assign(x, opts):
+        opts["seen"] = True
+        return x * opts["scale"]
+
+    leaves = {}
+    for fn in (scale, append, assign):
+        leaf = _leaf(fn, lambda x, *rest, **options: torch.empty_like(x))
+        leaves[fn.__name__] = leaf if mode == "eager" else torch.compile(leaf, backend=mode, fullgraph=True)
+    x = torch.randn(3, requires_grad=True)
+    w = torch.tensor(2.0, requires_grad=True)
+    log = Log()
+    for _ in range(2):
+        out = leaves["scale"](x, {"by": [w, 3.0]}, log)
+    torch.testing.assert_close(out, x * w)
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), w)[0], x.sum())
+    assert log.items == [2, 2]
+    history = []
+    with pytest.raises(LeafFunctionError, match=r"changed its argument 'history' \(a list\) in place\. "
+                       r"A leaf function gets its own copy"):
+        leaves["append"](x, history)
+    with pytest.raises(LeafFunctionError, match=r"changed its argument 'opts' \(a dict\) in place"):
+        leaves["assign"](x, opts={"scale": 2.0})
+    assert torchleaf.live_states() == 0
