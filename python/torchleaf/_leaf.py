@@ -32,6 +32,7 @@ import os
 import re
 import sys
 import threading
+import types
 import weakref
 
 import torch
@@ -1459,6 +1460,20 @@ def _refuse_compiled_fsdp_module(leaf, cls_name):
     )
 
 
+# Iterators a compiled call cannot pass on: Dynamo runs them while tracing.
+_ITERATORS = (types.GeneratorType, map, filter, zip, enumerate, reversed)
+
+
+@torch._dynamo.assume_constant_result  # raises at trace time
+def _refuse_compiled_iterator(leaf, type_name):
+    raise LeafFunctionError(
+        f"torchleaf: leaf function '{leaf._name}' got a {type_name} argument in a compiled call: "
+        f"the compiler consumes an iterator while it traces, so the function could not iterate "
+        f"over it when the graph runs. Pass a list or a tuple (list(it)), or call the leaf "
+        f"outside the compiled region."
+    )
+
+
 @torch._dynamo.assume_constant_result
 def _sharded_on_its_own(cls):
     """Whether fully_shard was applied to modules of class ``cls`` (FSDP2
@@ -2225,6 +2240,8 @@ class LeafFunction:
                 skeleton.append(_NDARRAY)
             elif _plain(x):
                 skeleton.append(x)
+            elif isinstance(x, _ITERATORS):
+                _refuse_compiled_iterator(self, type(x).__name__)
             else:
                 # Any other object (an enum, a config object): Dynamo passes it
                 # to a constant function as an argument of its own (guarded on

@@ -1176,3 +1176,27 @@ def test_a_container_argument_changed_in_place_is_an_error(mode):
     with pytest.raises(LeafFunctionError, match=r"changed its argument 'opts' \(a dict\) in place"):
         leaves["assign"](x, opts={"scale": 2.0})
     assert torchleaf.live_states() == 0
+
+
+def test_an_iterator_argument_of_a_compiled_call_is_a_clear_error():
+    """The compiler consumes a generator while it traces: a compiled call
+    cannot pass one on, and says so naming the leaf (eager calls take it)."""
+    torch._dynamo.reset()
+
+    def product(x, factors):
+        for f in factors:
+            x = x * f
+        return x
+
+    leaf = _leaf(product, lambda x, factors: torch.empty_like(x))
+    x = torch.randn(3)
+    torch.testing.assert_close(leaf(x, (f for f in (2.0, 3.0))), x * 6)
+    compiled = torch.compile(lambda x: leaf(x, (f for f in (2.0, 3.0))), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception) as raised:
+        compiled(x)
+    cause = raised.value
+    while not isinstance(cause, LeafFunctionError) and (cause.__cause__ or cause.__context__):
+        cause = cause.__cause__ or cause.__context__
+    assert isinstance(cause, LeafFunctionError)
+    assert "product' got a generator argument in a compiled call" in str(cause)
+    assert "Pass a list or a tuple" in str(cause)
