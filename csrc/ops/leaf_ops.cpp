@@ -481,6 +481,33 @@ void check_carried_int_meta(
     c10::SymInt /*expected*/,
     bool /*zigzag*/) {}
 
+void check_output_sizes_kernel(
+    c10::string_view leaf,
+    int64_t output,
+    const at::Tensor& tensor,
+    c10::SymIntArrayRef expected) {
+  const auto fake = C10_AS_INTARRAYREF_SLOW(expected);
+  TORCHLEAF_CHECK(
+      tensor.sizes() == fake,
+      std::string(leaf),
+      "output ",
+      output,
+      " has shape ",
+      tensor.sizes(),
+      " but its fake implementation returned shape ",
+      fake,
+      " (compiled code computes the fake's sizes from the inputs' sizes and uses them in "
+      "place of the output's). Fix the fake implementation so that its sizes are the "
+      "function's expressions of the inputs' sizes (torch.library.get_ctx()."
+      "new_dynamic_size() for a size that depends on the data).");
+}
+
+void check_output_sizes_meta(
+    c10::string_view /*leaf*/,
+    int64_t /*output*/,
+    const at::Tensor& /*tensor*/,
+    c10::SymIntArrayRef /*expected*/) {}
+
 // Functionalization of the mutating variants (auto_functionalize does not
 // handle list returns): call the functional variant on the unwrapped inputs,
 // then write the new values back into the functional tensors.
@@ -669,6 +696,9 @@ TORCH_LIBRARY(torchleaf, m) {
   // expression is wrong is an error, not a silently returned value. (The
   // leaf by name: exported programs run in other processes.)
   m.def("check_carried_int(str leaf, Tensor carrier, SymInt expected, bool zigzag) -> ()");
+  // The same for a tensor output whose traced sizes are symbolic, which the
+  // operator's always-on output check cannot see (output_check.h).
+  m.def("check_output_sizes(str leaf, int output, Tensor tensor, SymInt[] expected) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(torchleaf, CompositeExplicitAutograd, m) {
@@ -681,6 +711,7 @@ TORCH_LIBRARY_IMPL(torchleaf, CompositeExplicitAutograd, m) {
   m.impl("backward", &backward_kernel);
   m.impl("stack_handles", &stack_state_handles);
   m.impl("check_carried_int", &check_carried_int_kernel);
+  m.impl("check_output_sizes", &check_output_sizes_kernel);
 }
 
 TORCH_LIBRARY_IMPL(torchleaf, Meta, m) {
@@ -693,6 +724,7 @@ TORCH_LIBRARY_IMPL(torchleaf, Meta, m) {
   m.impl("backward", &backward_meta);
   m.impl("stack_handles", &stack_handles_meta);
   m.impl("check_carried_int", &check_carried_int_meta);
+  m.impl("check_output_sizes", &check_output_sizes_meta);
 }
 
 namespace {

@@ -26,6 +26,9 @@
 //       Compares a Python leaf's int output, carried in traced code as the
 //       size of a zero-stride tensor, with the fake's int that the graph
 //       uses downstream; an error naming the leaf when they differ.
+//   torchleaf::check_output_sizes(str leaf, int output, Tensor tensor,
+//                                 SymInt[] expected) -> ()
+//       The same for a tensor output whose traced sizes are symbolic.
 //
 // C++ leaves also own a named operator `ns::name(Tensor[] inputs
 // [, Tensor(a!)[] mutated]) -> Tensor[]` with the same kernels as `call`.
@@ -53,7 +56,8 @@ namespace torchleaf::ops {
 // operator is tagged cudagraph_unsafe. 4: Inductor copies an input of a
 // capturing operator that a later node of the graph writes to;
 // torchleaf::stack_handles; the capturing operators are tagged
-// nondeterministic_seeded. 5: torchleaf::check_carried_int.)
+// nondeterministic_seeded. 5: torchleaf::check_carried_int and
+// check_output_sizes.)
 constexpr int64_t kOperatorSchemaVersion = 5;
 
 // Tags of every operator that runs a leaf's functions. cudagraph_unsafe:

@@ -645,30 +645,49 @@ def _flatten_output(leaf, out, traced=None):
     return tensors, _encode(leaf, out, tensors, traced)
 
 
-def _int_carriers(desc):
-    """The _OUT_INT descriptions in `desc`."""
+def _operator_outputs(desc):
+    """The _OUT_TENSOR and _OUT_INT descriptions in `desc`: each an
+    operator output."""
     kind = desc[0]
-    if kind == _OUT_INT:
+    if kind == _OUT_TENSOR or kind == _OUT_INT:
         yield desc
-    elif kind != _OUT_TENSOR and kind != _OUT_CONST:
+    elif kind != _OUT_CONST:
         for child in _children(desc):
-            yield from _int_carriers(child)
+            yield from _operator_outputs(child)
 
 
 def _has_int_carriers(desc):
-    return next(_int_carriers(desc), None) is not None
+    return any(d[0] == _OUT_INT for d in _operator_outputs(desc))
 
 
-def _check_carried_ints(leaf, desc, tensors):
-    """In traced code, check each int the operator's outputs carry against
-    the fake's: the traced carrier's size is the fake's int, which the graph
-    computes from its inputs' sizes and uses downstream instead of the real
-    carrier's, so a wrong expression in a fake would silently become the
-    call's result. The check operator compares the two when the graph runs
-    (an operator with a side effect: never dead code)."""
-    for _, index, coding in _int_carriers(desc):
-        carrier = tensors[index]
-        _CHECK_CARRIED_INT(leaf._name, carrier, carrier.shape[0], coding == _INT_ZIGZAG)
+def _output_checks(desc, flat):
+    """What traced code checks of a call's real outputs (_check_traced_outputs),
+    from the fake's: (index, zigzag) for each int carried as a size, (index,
+    None) for each tensor output with a symbolic size. Static sizes are
+    checked inside the leaf's operator (output_check.h)."""
+    checks = []
+    for d in _operator_outputs(desc):
+        if d[0] == _OUT_INT:
+            checks.append((d[1], d[2] == _INT_ZIGZAG))
+        elif any(isinstance(s, torch.SymInt) for s in flat[d[1]].shape):
+            checks.append((d[1], None))
+    return tuple(checks)
+
+
+def _check_traced_outputs(leaf, checks, outputs):
+    """In traced code, check what the graph takes from the fake against the
+    real outputs (_output_checks). The graph computes a carried int or a
+    symbolic size from its inputs' sizes, as the fake's expression says, and
+    uses it downstream in place of the real one, so a fake with a wrong
+    expression would silently give the call's results its own ints and
+    sizes. The check operators compare the two when the graph runs
+    (operators with a side effect: never dead code)."""
+    for index, zigzag in checks:
+        t = outputs[index]
+        if zigzag is None:
+            _CHECK_OUTPUT_SIZES(leaf._name, index, t, t.shape)
+        else:
+            _CHECK_CARRIED_INT(leaf._name, t, t.shape[0], zigzag)
 
 
 def _show(desc):
@@ -798,6 +817,7 @@ _is_exporting = torch.compiler.is_exporting
 _CALL = torch.ops.torchleaf.call.default
 _CALL_MUTATING = torch.ops.torchleaf.call_mutating.default
 _CHECK_CARRIED_INT = torch.ops.torchleaf.check_carried_int.default
+_CHECK_OUTPUT_SIZES = torch.ops.torchleaf.check_output_sizes.default
 
 
 # Kinds of operator inputs, in a plan's order.
@@ -851,7 +871,8 @@ class _Plan:
 
     __slots__ = (
         "index", "spec", "template", "slots", "mutated", "ordered", "positional", "out",
-        "out_plain", "out_from_real", "out_carries", "autocast", "out_dtypes", "grad", "containers",
+        "out_plain", "out_from_real", "out_carries", "out_checks", "autocast", "out_dtypes", "grad",
+        "containers",
     )
 
     def __init__(self, index, spec, template, slots, mutated, mode, positional, autocast=None, grad=False):
@@ -864,14 +885,15 @@ class _Plan:
         self.mutated = mutated  # flat positions of declared-mutable tensors
         self.ordered = mode == _COMPILED
         self.positional = positional  # tensors only, by position: call fn(*tensors)
-        # (args index or kwargs key, first flat position, spec) of each
-        # argument that holds a mutable container, which the real function
-        # gets rebuilt (check_containers_unchanged).
+        # (args index or kwargs key, first flat position, spec, leaves only)
+        # of each argument that holds a mutable container, which the real
+        # function gets rebuilt (check_containers_unchanged).
         self.containers = () if positional else _mutable_container_arguments(spec)
         self.out = None  # the fake's output description, once traced
         self.out_plain = False  # whether `out` holds no constants
         self.out_from_real = False  # `out` came from a real call, no fake ran
         self.out_carries = False  # `out` has ints that travel as carriers (_OUT_INT)
+        self.out_checks = ()  # what the latest trace's code checks (_output_checks)
         # Compiled plans: the autocast state the call was traced under
         # (_autocast_state), entered around its fake and its real function.
         self.autocast = autocast
@@ -897,13 +919,15 @@ class _Plan:
                 n += 1
         return n_inputs > n
 
-    def record_output(self, desc, from_real=False):
+    def record_output(self, desc, from_real=False, flat=None):
         """Record the description of what a traced graph returns for this
-        call structure."""
+        call structure (with `flat`, the fake's outputs, what traced code
+        checks against the real ones: _output_checks)."""
         self.out = desc
         self.out_plain = next(_constants(desc), None) is None
         self.out_from_real = from_real
         self.out_carries = _has_int_carriers(desc)
+        self.out_checks = () if flat is None else _output_checks(desc, flat)
 
     def check_output(self, leaf, desc):
         """Check a real call's output description against the traced one: a
@@ -919,7 +943,8 @@ class _Plan:
             _check_graph_constants(leaf, traced, desc, self.out_from_real)
 
     def rebuild(self, leaf, tensors, arguments, fake):
-        """(args, kwargs, [(module, structure, tensors, kind)]) for one call."""
+        """(args, kwargs, [(module, structure, tensors, kind)], flat) for one
+        call; `flat`, the leaves (args, kwargs) were built from."""
         flat = list(arguments) if arguments is not None else list(self.template)
         k = 0
         modules = []
@@ -981,46 +1006,70 @@ class _Plan:
         """After the real function ran on containers rebuilt for the call:
         an error if it changed one in place (``log.append(...)``,
         ``cfg["k"] = v``), which the caller's own container would never see."""
-        for key, start, spec, keys in self.containers:
+        for key, start, spec, leaves_only in self.containers:
             obj = args[key] if type(key) is int else kwargs[key]
-            end = start + spec.num_leaves
-            if keys is not None:  # a plain list or dict of leaves: compared directly
-                if type(obj) is list:
-                    unchanged = len(obj) == len(keys) and all(map(operator.is_, obj, flat[start:end]))
-                else:
-                    unchanged = list(obj) == keys and all(map(operator.is_, obj.values(), flat[start:end]))
-            else:
-                leaves, now = pytree.tree_flatten(obj)
-                unchanged = now == spec and all(map(operator.is_, leaves, flat[start:end]))
-            if not unchanged:
-                raise LeafFunctionError(
-                    f"torchleaf: leaf function '{leaf._name}' changed its argument "
-                    f"{leaf._parameter_name(key)!r} (a "
-                    f"{type(obj).__name__}) in place. A leaf function gets its own copy of each list, "
-                    f"dict or other container it is passed (the tensors inside become the call's "
-                    f"own), so the caller's container would not see the change. Return what the "
-                    f"function computes and update the container outside the leaf, or pass an "
-                    f"object of a class of your own, which the function gets itself."
-                )
+            changed = _changed_container(obj, spec, flat, start, leaves_only)
+            if changed is None:
+                continue
+            name = leaf._parameter_name(key)
+            what = f"argument {name!r}" if name is not None else f"positional argument {key}"
+            what = f"its {what} (a {type(obj).__name__})" if changed is obj else (
+                f"a {type(changed).__name__} inside its {what}"
+            )
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{leaf._name}' changed {what} in place. A leaf function "
+                f"gets its own copy of each list, dict or other container it is passed (the tensors "
+                f"inside become the call's own), so the caller's container would not see the change. "
+                f"Return what the function computes and update the container outside the leaf, or "
+                f"pass an object of a class of your own, which the function gets itself."
+            )
+
+
+def _changed_container(obj, spec, flat, start, leaves_only=None):
+    """The container in `obj`, rebuilt for a call as `spec` describes with
+    the leaves flat[start:], that the function changed in place; None if
+    none. `leaves_only`: whether `spec`'s children are all leaves (computed
+    when not given)."""
+    t = spec.type
+    if t is list or t is tuple:
+        if type(obj) is not t or len(obj) != spec.num_children:
+            return obj
+        items = obj
+    elif t is dict:
+        if type(obj) is not dict or list(obj) != spec.context:  # (a defaultdict read adds a key)
+            return obj
+        items = obj.values()
+    else:  # another pytree node: compared through the pytree
+        leaves, now = pytree.tree_flatten(obj)
+        same = now == spec and all(map(operator.is_, leaves, flat[start : start + spec.num_leaves]))
+        return None if same else obj
+    children = spec.children()
+    if leaves_only is None:
+        leaves_only = all(child.is_leaf() for child in children)
+    if leaves_only:
+        return None if all(map(operator.is_, items, flat[start : start + len(children)])) else obj
+    for item, child in zip(items, children):
+        if child.is_leaf():
+            if item is not flat[start]:
+                return obj
+        else:
+            changed = _changed_container(item, child, flat, start)
+            if changed is not None:
+                return changed
+        start += child.num_leaves
+    return None
 
 
 def _mutable_container_arguments(spec):
-    """(args index or kwargs key, first flat position, spec, keys) of the
-    top-level call arguments in `spec` ((args, kwargs)) that hold a container
-    other than a tuple; `keys`, for a plain list or dict of leaves only (the
-    common case, checked without a pytree), its indices or keys."""
+    """(args index or kwargs key, first flat position, spec, whether its
+    children are all leaves) of the top-level call arguments in `spec`
+    ((args, kwargs)) that hold a container other than a tuple."""
     args_spec, kwargs_spec = spec.children()
     names = list(range(args_spec.num_children)) + list(kwargs_spec.context)
     found, start = [], 0
     for name, sub in zip(names, [*args_spec.children(), *kwargs_spec.children()]):
         if _holds_mutable_container(sub):
-            flat_items = all(child.is_leaf() for child in sub.children())
-            keys = None
-            if flat_items and sub.type is list:
-                keys = list(range(sub.num_children))
-            elif flat_items and sub.type is dict:
-                keys = list(sub.context)
-            found.append((name, start, sub, keys))
+            found.append((name, start, sub, all(child.is_leaf() for child in sub.children())))
         start += sub.num_leaves
     return tuple(found)
 
@@ -1403,7 +1452,7 @@ def _run_fake(leaf_ref, plan_index, tensors, arguments, real_desc):
         if _structure(real_desc) != _structure(desc):
             raise _structure_mismatch(leaf, real_desc, desc)
     elif arguments is None:
-        plan.record_output(desc)  # what a traced graph returns for this call structure
+        plan.record_output(desc, flat=flat)  # what a traced graph returns for this call structure
     return flat
 
 
@@ -1672,10 +1721,14 @@ def _first_ordered_call():
 
 @torch._dynamo.assume_constant_result
 def _traced_output(leaf, plan_index):
-    """The output description of a traced call; None for a single tensor,
-    which traced code returns without decoding (no guards on _decode)."""
-    out = leaf._plans[plan_index].out
-    return None if out is _SINGLE else out
+    """(output description, checks) of a traced call, where `checks` is what
+    traced code checks of its real outputs (_output_checks, read right after
+    this trace ran the fake); None for a single tensor with static sizes,
+    which traced code returns as it is (no guards on _decode or the checks)."""
+    plan = leaf._plans[plan_index]
+    if plan.out is _SINGLE and not plan.out_checks:
+        return None
+    return plan.out, plan.out_checks
 
 
 def _is_ndarray(x):
@@ -1943,14 +1996,15 @@ class LeafFunction:
         return f"flat argument {pos}" if path is None else repr(path)
 
     def _parameter_name(self, key):
-        """The name of positional argument `key` (an int), or keyword `key`."""
+        """The name of positional argument `key` (an int), or keyword `key`;
+        None for one the signature does not name (*args, no signature)."""
         if type(key) is not int:
             return key
         params = list(getattr(self._signature, "parameters", {}).values())
         positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         if key < len(params) and params[key].kind in positional:
             return params[key].name
-        return f"positional argument {key}"
+        return None
 
     def _argument_path(self, spec, pos):
         """'state["a"]': the parameter whose value holds flat argument ``pos``
@@ -2124,9 +2178,9 @@ class LeafFunction:
         self._check_no_sharded_modules(flat)
         plan, inputs, mutated, _ = self._plan_for(flat, spec, traced=True)
         outputs, desc = _C.call(self._id, plan.index, inputs, mutated, None)
-        desc = desc if desc is not None else plan.out
-        if plan.out_carries and outputs and type(outputs[0]) is not _Tensor:  # traced (make_fx)
-            _check_carried_ints(self, desc, outputs)
+        if desc is None:  # traced (make_fx)
+            desc = plan.out
+            _check_traced_outputs(self, plan.out_checks, outputs)
         return _decode(desc, outputs)
 
     def _check_no_sharded_modules(self, flat):
@@ -2174,10 +2228,12 @@ class LeafFunction:
             outputs = self._named_op(inputs, [flat[pos] for pos in mutated_positions], call)
         else:
             outputs = self._named_op(inputs, call)
-        desc = _traced_output(self, plan_index)
-        if desc is None:
+        traced = _traced_output(self, plan_index)
+        if traced is None:
             return outputs[0]
-        _check_carried_ints(self, desc, outputs)
+        desc, checks = traced
+        if checks:
+            _check_traced_outputs(self, checks, outputs)
         return _decode(desc, outputs, self._output_types)
 
     def _compiled_call(self, args, kwargs):
@@ -2199,10 +2255,12 @@ class LeafFunction:
                     outputs = _CALL(leaf_id, plan_index, inputs)
                     if stores_token:
                         _ORDER_TOKEN = outputs[-1]
-                    desc = _traced_output(self, plan_index)
-                    if desc is None:
+                    traced = _traced_output(self, plan_index)
+                    if traced is None:
                         return outputs[0]
-                    _check_carried_ints(self, desc, outputs)
+                    desc, checks = traced
+                    if checks:
+                        _check_traced_outputs(self, checks, outputs)
                     return _decode(desc, outputs[:-1], self._output_types)
         if _is_exporting():
             return self._exported_call(*pytree.tree_flatten((args, kwargs)))
@@ -2295,10 +2353,12 @@ class LeafFunction:
             outputs = _CALL(leaf_id, plan_index, inputs)
         if stores_token:
             _ORDER_TOKEN = outputs[-1]
-        desc = _traced_output(self, plan_index)
-        if desc is None:
+        traced = _traced_output(self, plan_index)
+        if traced is None:
             return outputs[0]
-        _check_carried_ints(self, desc, outputs)
+        desc, checks = traced
+        if checks:
+            _check_traced_outputs(self, checks, outputs)
         return _decode(desc, outputs[:-1], self._output_types)
 
 

@@ -206,6 +206,9 @@ def _install_inductor_lowerings():
     skip_checks_of_backward(torch.ops.torchleaf.backward.default)
     ensure_fallback(torch.ops.torchleaf.check_carried_int.default)
     skip_check_of_carrier(torch.ops.torchleaf.check_carried_int.default)
+    # Inductor asserts the size of every extern kernel output it uses itself:
+    # check_output_sizes would check them again.
+    lowering.lowerings[torch.ops.torchleaf.check_output_sizes.default] = lambda *args, **kwargs: None
     # A call that compiled activation checkpointing recomputes runs inside
     # these (the generator's state saved around the forward's call, restored
     # around the recomputation): run_and_save_rng_state(op, leaf, plan,
@@ -350,6 +353,11 @@ def _fake_check_carried_int(leaf, carrier, expected, zigzag):
     return None  # the fake's int is `expected` itself
 
 
+def _fake_check_output_sizes(leaf, output, tensor, expected):
+    _keep_captured_inputs_in_inductor()  # installs the lowering that drops the operator
+    return None
+
+
 def _fake_stack_handles(handles):
     return handles[0].new_empty((len(handles), *handles[0].shape))
 
@@ -378,6 +386,7 @@ def _register_ops():
     torch.library.register_fake("torchleaf::backward", _fake_backward)
     torch.library.register_fake("torchleaf::stack_handles", _fake_stack_handles)
     torch.library.register_fake("torchleaf::check_carried_int", _fake_check_carried_int)
+    torch.library.register_fake("torchleaf::check_output_sizes", _fake_check_output_sizes)
     # Operators that run user code are never dead code (FX and Inductor keep
     # impure operators). Python leaves' compiled calls are ordered by the
     # token they thread (_leaf._ORDER_TOKEN), a data dependency that costs
@@ -392,6 +401,7 @@ def _register_ops():
         torch.ops.torchleaf.call_mutating,
         torch.ops.torchleaf.forward_mutating,
         torch.ops.torchleaf.check_carried_int,
+        torch.ops.torchleaf.check_output_sizes,
     ):
         has_side_effect(op.default)
     # Batching rules (torch.func.vmap): a per-sample loop, or a Python leaf's

@@ -91,6 +91,21 @@ TEST(Operators, CarriedIntsAreCheckedAgainstTheFakes) {
       "got a 0-d int carrier");
 }
 
+TEST(Operators, SymbolicOutputSizesAreCheckedAgainstTheFakes) {
+  using CheckSig = void(c10::string_view, int64_t, const at::Tensor&, c10::SymIntArrayRef);
+  auto check = c10::Dispatcher::singleton()
+                   .findSchemaOrThrow("torchleaf::check_output_sizes", "")
+                   .typed<CheckSig>();
+  const std::vector<c10::SymInt> four_by_two{c10::SymInt(4), c10::SymInt(2)};
+  check.call("mylib.f", 1, torch::empty({4, 2}), four_by_two);
+  EXPECT_THROW_WITH(
+      check.call("mylib.f", 1, torch::empty({3, 2}), four_by_two),
+      "leaf function 'mylib.f' output 1 has shape [3, 2] but its fake implementation "
+      "returned shape [4, 2]");
+  EXPECT_THROW_WITH(
+      check.call("mylib.f", 0, torch::empty({4}), four_by_two), "has shape [4] but");
+}
+
 TEST(Operators, StateHandlesAreChecked) {
   auto leaf = square_leaf();
   auto other = square_leaf();

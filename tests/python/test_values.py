@@ -211,6 +211,45 @@ def test_a_fake_whose_int_expression_is_wrong_is_an_error(backend):
                 torch.testing.assert_close(compiled(x), _summed_times_int(fn)(x))
 
 
+@pytest.mark.parametrize("backend", [*COMPILED, "make_fx"])
+def test_a_fake_whose_symbolic_size_is_wrong_is_an_error(backend):
+    """With dynamic shapes, compiled code takes an output's size from the
+    fake's expression (x.shape[0]) where the function returns another
+    (x.shape[0] - 1): an error naming the leaf and both shapes, never the
+    fake's size used silently (aot_eager and make_fx; Inductor asserts the
+    size itself, naming the operator); a right fake passes."""
+    torch._dynamo.reset()
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def tail(x):
+        return x[1:] * 2
+
+    def mean_of(leaf):
+        def use(x):
+            y = leaf(x)
+            return y.sum() / y.shape[0]
+
+        return use
+
+    wrong = _leaf(tail, torch.empty_like)
+    right = _leaf(tail, lambda x: x.new_empty(x.shape[0] - 1))
+    for leaf in (wrong, right):
+        if backend == "make_fx":
+            compiled = make_fx(mean_of(leaf), tracing_mode="symbolic")(torch.randn(3))
+        else:
+            compiled = torch.compile(mean_of(leaf), backend=backend, fullgraph=True, dynamic=True)
+        x = torch.randn(5)
+        if leaf is right:
+            torch.testing.assert_close(compiled(x), mean_of(tail)(x))
+        elif backend == "inductor":
+            with pytest.raises(AssertionError, match=r"expected size 4==5"):
+                compiled(x)
+        else:
+            with pytest.raises(LeafFunctionError, match=rf"'{wrong._name}' output 0 has shape \[4\] but its "
+                               rf"fake implementation returned shape \[5\]"):
+                compiled(x)
+
+
 def _summed_times_int(leaf):
     def use(x):
         y, n = leaf(x)
