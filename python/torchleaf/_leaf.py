@@ -1498,28 +1498,26 @@ def _refuse_read_and_mutated(leaf, plan_index, read, mutated):
     )
 
 
-@torch._dynamo.assume_constant_result  # raises at trace time
-def _refuse_compiled_fsdp_module(leaf, cls_name):
-    raise LeafFunctionError(
-        f"torchleaf: leaf function '{leaf._name}' got a {cls_name} argument that fully_shard was "
-        f"applied to, in a compiled call: FSDP's gradient hooks for that module's own parameters "
-        f"do not see the leaf's use of them, which would leave them without a gradient. Shard "
-        f"only a parent of the module (fully_shard(model)), or call the leaf outside the "
-        f"compiled region (eager calls with module.unshard() before them work)."
-    )
-
+# Why a compiled call cannot take an argument, by its kind, for
+# _refuse_compiled_argument.
+_COMPILED_REFUSALS = {
+    "fsdp": "that fully_shard was applied to, in a compiled call: FSDP's gradient hooks for "
+    "that module's own parameters do not see the leaf's use of them, which would leave them "
+    "without a gradient. Shard only a parent of the module (fully_shard(model)), or call the "
+    "leaf outside the compiled region (eager calls with module.unshard() before them work).",
+    "iterator": "in a compiled call: the compiler consumes an iterator while it traces, so the "
+    "function could not iterate over it when the graph runs. Pass a list or a tuple "
+    "(list(it)), or call the leaf outside the compiled region.",
+}
 
 # Iterators a compiled call cannot pass on: Dynamo runs them while tracing.
 _ITERATORS = (types.GeneratorType, map, filter, zip, enumerate, reversed)
 
 
 @torch._dynamo.assume_constant_result  # raises at trace time
-def _refuse_compiled_iterator(leaf, type_name):
+def _refuse_compiled_argument(leaf, kind, type_name):
     raise LeafFunctionError(
-        f"torchleaf: leaf function '{leaf._name}' got a {type_name} argument in a compiled call: "
-        f"the compiler consumes an iterator while it traces, so the function could not iterate "
-        f"over it when the graph runs. Pass a list or a tuple (list(it)), or call the leaf "
-        f"outside the compiled region."
+        f"torchleaf: leaf function '{leaf._name}' got a {type_name} argument {_COMPILED_REFUSALS[kind]}"
     )
 
 
@@ -2228,13 +2226,7 @@ class LeafFunction:
             outputs = self._named_op(inputs, [flat[pos] for pos in mutated_positions], call)
         else:
             outputs = self._named_op(inputs, call)
-        traced = _traced_output(self, plan_index)
-        if traced is None:
-            return outputs[0]
-        desc, checks = traced
-        if checks:
-            _check_traced_outputs(self, checks, outputs)
-        return _decode(desc, outputs, self._output_types)
+        return self._traced_result(plan_index, outputs)
 
     def _compiled_call(self, args, kwargs):
         # Traced by Dynamo: everything but the tensors (module tensors and
@@ -2255,13 +2247,7 @@ class LeafFunction:
                     outputs = _CALL(leaf_id, plan_index, inputs)
                     if stores_token:
                         _ORDER_TOKEN = outputs[-1]
-                    traced = _traced_output(self, plan_index)
-                    if traced is None:
-                        return outputs[0]
-                    desc, checks = traced
-                    if checks:
-                        _check_traced_outputs(self, checks, outputs)
-                    return _decode(desc, outputs[:-1], self._output_types)
+                    return self._traced_result(plan_index, outputs)
         if _is_exporting():
             return self._exported_call(*pytree.tree_flatten((args, kwargs)))
         flat = []
@@ -2276,7 +2262,7 @@ class LeafFunction:
                 skeleton.append(_TENSOR)
             elif isinstance(x, nn.Module):
                 if _sharded_on_its_own(type(x)):
-                    _refuse_compiled_fsdp_module(self, type(x).__name__)
+                    _refuse_compiled_argument(self, "fsdp", type(x).__name__)
                 names, aliases, n_params, tensors = _module_state(x)
                 cls = type(x)
                 skeleton.append(_MODULE)
@@ -2299,7 +2285,7 @@ class LeafFunction:
             elif _plain(x):
                 skeleton.append(x)
             elif isinstance(x, _ITERATORS):
-                _refuse_compiled_iterator(self, type(x).__name__)
+                _refuse_compiled_argument(self, "iterator", type(x).__name__)
             else:
                 # Any other object (an enum, a config object): Dynamo passes it
                 # to a constant function as an argument of its own (guarded on
@@ -2353,13 +2339,20 @@ class LeafFunction:
             outputs = _CALL(leaf_id, plan_index, inputs)
         if stores_token:
             _ORDER_TOKEN = outputs[-1]
+        return self._traced_result(plan_index, outputs)
+
+    def _traced_result(self, plan_index, outputs):
+        """What a compiled or exported call returns, from its operator's
+        outputs (a compiled call's order token last, which no description
+        names): the traced description's outputs, checked where the graph
+        takes ints or sizes from the fake (_check_traced_outputs)."""
         traced = _traced_output(self, plan_index)
         if traced is None:
             return outputs[0]
         desc, checks = traced
         if checks:
             _check_traced_outputs(self, checks, outputs)
-        return _decode(desc, outputs[:-1], self._output_types)
+        return _decode(desc, outputs, self._output_types)
 
 
 def _carried_int(x):
