@@ -603,20 +603,29 @@ def _decode(desc, tensors, types=None):
     return desc[1]
 
 
-def _structure(desc):
-    """The shape of a description without constant values (for validation)."""
+def _structure(desc, carried_as_int=False):
+    """The shape of a description without constant values (for validation);
+    with `carried_as_int`, an int carried as a size has an int constant's
+    (traces of one call structure differ so when one specialized a size)."""
     kind = desc[0]
-    if kind == _OUT_TENSOR or kind == _OUT_INT:
+    if kind == _OUT_INT:
+        return (_OUT_CONST, int) if carried_as_int else kind
+    if kind == _OUT_TENSOR:
         return kind
     if kind == _OUT_CONST:
         return (kind, type(desc[1]))
+    children = (_structure(d, carried_as_int) for d in desc[2 if kind in _KEYED_KINDS else 1])
     if kind == _OUT_DICT:
-        return (kind, desc[1], tuple(_structure(d) for d in desc[2]))
+        return (kind, desc[1], tuple(children))
     if kind == _OUT_NAMEDTUPLE or kind == _OUT_TYPED_TUPLE:
-        return (kind, desc[3], tuple(_structure(d) for d in desc[2]))
+        return (kind, desc[3], tuple(children))
     if kind == _OUT_TYPED_DICT:
-        return (kind, desc[3], desc[1], tuple(_structure(d) for d in desc[2]))
-    return (kind, tuple(_structure(d) for d in desc[1]))
+        return (kind, desc[3], desc[1], tuple(children))
+    return (kind, tuple(children))
+
+
+# Description kinds whose children are desc[2] (else desc[1]).
+_KEYED_KINDS = (_OUT_DICT, _OUT_NAMEDTUPLE, _OUT_TYPED_TUPLE, _OUT_TYPED_DICT)
 
 
 def _constants(desc, path="output"):
@@ -731,6 +740,17 @@ def _structure_mismatch(leaf, real, fake):
         f"torchleaf: leaf function '{leaf._name}' returned a different output structure than "
         f"its fake implementation.\n  real: {real_text}\n  fake: {fake_text}\n"
         f"Make the fake return the same pytree structure as the real function."
+    )
+
+
+def _fake_structure_varied(leaf, earlier, later):
+    return LeafFunctionError(
+        f"torchleaf: leaf function '{leaf._name}' has a fake implementation that returned two "
+        f"output structures for one call structure:\n  {_show(earlier)}\n  {_show(later)}\n"
+        f"A compiled graph keeps the structure its trace saw, so a call could return the other "
+        f"one's. The fake must depend only on its arguments: it runs on any module of a module "
+        f"argument's structure, so pass a setting it reads from the module (such as "
+        f"self.training) as an argument of the leaf."
     )
 
 
@@ -871,8 +891,8 @@ class _Plan:
 
     __slots__ = (
         "index", "spec", "template", "slots", "mutated", "ordered", "positional", "out",
-        "out_plain", "out_from_real", "out_carries", "out_checks", "autocast", "out_dtypes", "grad",
-        "containers",
+        "out_plain", "out_from_real", "out_carries", "out_checks", "out_varied", "autocast", "out_dtypes",
+        "grad", "containers",
     )
 
     def __init__(self, index, spec, template, slots, mutated, mode, positional, autocast=None, grad=False):
@@ -894,6 +914,9 @@ class _Plan:
         self.out_from_real = False  # `out` came from a real call, no fake ran
         self.out_carries = False  # `out` has ints that travel as carriers (_OUT_INT)
         self.out_checks = ()  # what the latest trace's code checks (_output_checks)
+        # (earlier, later) descriptions of two fake runs for this call
+        # structure whose structures differ: compiled code may keep either.
+        self.out_varied = None
         # Compiled plans: the autocast state the call was traced under
         # (_autocast_state), entered around its fake and its real function.
         self.autocast = autocast
@@ -919,10 +942,19 @@ class _Plan:
                 n += 1
         return n_inputs > n
 
-    def record_output(self, desc, from_real=False, flat=None):
+    def record_output(self, leaf, desc, from_real=False, flat=None):
         """Record the description of what a traced graph returns for this
         call structure (with `flat`, the fake's outputs, what traced code
         checks against the real ones: _output_checks)."""
+        if (
+            self.out is not None
+            and not self.out_from_real
+            and _structure(self.out, carried_as_int=True) != _structure(desc, carried_as_int=True)
+        ):
+            # Graphs traced with the earlier structure would return it: their
+            # calls fail from now on (check_output), and so does this trace.
+            self.out_varied = (self.out, desc)
+            raise _fake_structure_varied(leaf, self.out, desc)
         self.out = desc
         self.out_plain = next(_constants(desc), None) is None
         self.out_from_real = from_real
@@ -935,8 +967,10 @@ class _Plan:
         function returns. Without constants, equal descriptions are equal
         structures, which a tuple comparison tells at C speed on every call."""
         traced = self.out
+        if self.out_varied is not None:
+            raise _fake_structure_varied(leaf, *self.out_varied)
         if traced is None:
-            self.record_output(desc, from_real=True)  # no fake ran (a non-tracing dispatch mode)
+            self.record_output(leaf, desc, from_real=True)  # no fake ran (a non-tracing dispatch mode)
         elif traced is not desc and not (self.out_plain and traced == desc):
             if _structure(traced) != _structure(desc):
                 raise _structure_mismatch(leaf, desc, traced)
@@ -1452,7 +1486,7 @@ def _run_fake(leaf_ref, plan_index, tensors, arguments, real_desc):
         if _structure(real_desc) != _structure(desc):
             raise _structure_mismatch(leaf, real_desc, desc)
     elif arguments is None:
-        plan.record_output(desc, flat=flat)  # what a traced graph returns for this call structure
+        plan.record_output(leaf, desc, flat=flat)  # what a traced graph returns for this call structure
     return flat
 
 

@@ -1239,3 +1239,58 @@ def test_an_iterator_argument_of_a_compiled_call_is_a_clear_error():
     assert isinstance(cause, LeafFunctionError)
     assert "product' got a generator argument in a compiled call" in str(cause)
     assert "Pass a list or a tuple" in str(cause)
+
+
+def test_a_fake_whose_structure_follows_a_module_setting_is_a_clear_error(monkeypatch):
+    """A fake runs on any module of its argument's structure, so one whose
+    output structure follows a module setting (an auxiliary loss only in
+    training) can see another setting than the real call: with an eval-mode
+    copy alive, the two fakes of one trace could run on different modules,
+    and compiled code kept the fake's None where the function returned a
+    tensor (a probe found it, silent), or failed naming no leaf. Two output
+    structures for one call structure are now a clear error that says what
+    to pass instead; with the setting as an argument both modes work."""
+    torch._dynamo.reset()
+
+    class Router(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(4, 4)
+
+    def route(router, x):
+        y = router.gate(x)
+        return y, (y.pow(2).mean() if router.training else None)
+
+    def fake(router, x):
+        y = torch.empty_like(x)
+        return y, (x.new_empty(()) if router.training else None)
+
+    router, x = Router(), torch.randn(2, 4)
+    ema = Router().eval()  # e.g. an EMA copy for evaluation
+    # Which module of the structure a fake runs on is up to the order of a
+    # weak set: here Dynamo's run of the fake gets the eval-mode copy and
+    # AOTAutograd's the training one, as a probe saw.
+    from torchleaf import _leaf as leaf_module
+
+    picks = iter([ema])
+    monkeypatch.setattr(leaf_module, "_module_of_structure", lambda structure, tensors: next(picks, router))
+    leaf = _leaf(route, fake)
+    compiled = torch.compile(lambda r, x: leaf(r, x), backend="aot_eager", fullgraph=True)
+    # (Raised while AOTAutograd traces, inside Dynamo's BackendCompilerFailed.)
+    with pytest.raises(Exception, match=r"returned two output structures for one call structure:"
+                       r"\n  \(Tensor, None\)\n  \(Tensor, Tensor\)\n"):
+        compiled(router, x)
+    monkeypatch.undo()
+
+    def route_by(router, x, training):
+        y = router.gate(x)
+        return y, (y.pow(2).mean() if training else None)
+
+    leaf = _leaf(route_by, lambda router, x, training: (torch.empty_like(x), x.new_empty(()) if training else None))
+    compiled = torch.compile(lambda r, x: leaf(r, x, r.training), backend="aot_eager", fullgraph=True)
+    for training in (True, False, True):
+        router.train(training)
+        out, aux = compiled(router, x)
+        expected = route_by(router, x, training)
+        torch.testing.assert_close(out, expected[0])
+        assert (aux is None) == (not training)
