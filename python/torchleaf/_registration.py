@@ -86,9 +86,9 @@ def _keep_captured_inputs_in_inductor():
     lowering Inductor would create for the operator (private, listed in
     docs/design.md).
 
-    Called by the capturing operators' fakes (and check_carried_int's, whose
-    lowering is wrapped here too), which run while AOTAutograd traces a
-    graph, before Inductor lowers it; a no-op until Inductor is
+    Called by the capturing operators' fakes (and the check operators', whose
+    lowerings are wrapped or replaced here too), which run while AOTAutograd
+    traces a graph, before Inductor lowers it; a no-op until Inductor is
     imported (importing it here would cost every ``import torchleaf``)."""
     if _inductor_lowerings_installed or "torch._inductor.lowering" not in sys.modules:
         return
