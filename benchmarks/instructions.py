@@ -61,7 +61,7 @@ def _stage_callable(name):
     import torch
 
     from stages import body, leaf_and_custom_op
-    from torchleaf import _leaf
+    from torchleaf import _runner
 
     torch.set_num_threads(1)
     leaf, custom = leaf_and_custom_op("torchleaf_profile")
@@ -83,7 +83,7 @@ def _stage_callable(name):
         return lambda: fn(x).sum().backward()
     compiled = torch.compile(lambda x: leaf(x).sum(), backend="aot_eager", fullgraph=True)
     compiled(x).backward()
-    plan = next(p.index for p in leaf._plans.values() if p.ordered)
+    plan = next(p.index for p in leaf._plans.by_index.values() if p.ordered)
     xd, grad = x.detach(), torch.ones(64)
     forward = torch.ops.torchleaf.forward.default
     backward = torch.ops.torchleaf.backward.default
@@ -96,7 +96,7 @@ def _stage_callable(name):
     chosen = {
         "forward op": lambda: forward(leaf._id, plan, [xd], [0]),
         "custom_op op": lambda: torch.ops.torchleaf_profile.body.default(xd),
-        "runner": lambda: _leaf._run_real(ref, plan, [xd], None),
+        "runner": lambda: _runner.run_real(ref, plan, [xd], None),
         "body recording autograd": lambda: body(x),
         "body": lambda: body(xd),
         "forward+backward ops": forward_backward,

@@ -20,9 +20,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import time_interleaved  # noqa: E402
-
 import torchleaf  # noqa: E402
+from timing import time_interleaved  # noqa: E402
 
 LAYERS = 200
 DESCRIPTION = f"`nn.Sequential` of {LAYERS} `nn.Linear(8, 8)` ({2 * LAYERS} parameters) on x: 4x8 float32"

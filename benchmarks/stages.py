@@ -18,10 +18,9 @@ import weakref
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import time_interleaved  # noqa: E402
-
 import torchleaf  # noqa: E402
-from torchleaf import _leaf  # noqa: E402
+from timing import time_interleaved  # noqa: E402
+from torchleaf import _runner  # noqa: E402
 
 
 def body(x):
@@ -57,7 +56,7 @@ def main():
 
     # What the compiled graphs call (see the graphs with TORCH_LOGS=aot_graphs;
     # a graph's first leaf call takes no order token).
-    plan = next(p.index for p in leaf._plans.values() if p.ordered)
+    plan = next(p.index for p in leaf._plans.by_index.values() if p.ordered)
     xd, grad = x.detach(), torch.ones(64)
     forward = torch.ops.torchleaf.forward.default
     backward = torch.ops.torchleaf.backward.default
@@ -67,7 +66,7 @@ def main():
     steps.update({
         "custom_op's operator (its whole forward, as its graph calls it)": lambda: custom_op(xd),
         "torchleaf.forward (whole operator)": lambda: forward(leaf._id, plan, [xd], [0]),
-        "  of which the Python runner (_run_real)": lambda: _leaf._run_real(ref, plan, [xd], None),
+        "  of which the Python runner (_run_real)": lambda: _runner.run_real(ref, plan, [xd], None),
         "    of which the body": lambda: body(xd),
         "torchleaf.backward (whole operator)": lambda: backward(leaf._id, handle, [grad, None], [6, 0, -1, 1, 64]),
         "  of which `grad * 2` (what the body's backward computes)": lambda: grad * 2,

@@ -38,8 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from implementations import SMALL, build_custom_op, build_plain, build_torchleaf  # noqa: E402
 from timing import time_interleaved  # noqa: E402
-
-from torchleaf import _leaf  # noqa: E402
+from torchleaf import _dynamo  # noqa: E402
 
 BACKENDS = ("aot_eager", "inductor")
 CALLS = (1, 2, 4)
@@ -56,13 +55,13 @@ CHAINED_ROWS = ("custom_op", OPAQUE, HANDLE, "torchleaf")
 @contextlib.contextmanager
 def _order_token_not_stored():
     """While Dynamo traces in this block, compiled leaf calls do not store
-    their order token (see _leaf._order_decisions)."""
-    decide = _leaf._order_decisions
-    _leaf._order_decisions = lambda mutates: (decide(mutates)[0], False)
+    their order token (see _dynamo._order_decisions)."""
+    decide = _dynamo._order_decisions
+    _dynamo._order_decisions = lambda mutates: (decide(mutates)[0], False)
     try:
         yield
     finally:
-        _leaf._order_decisions = decide
+        _dynamo._order_decisions = decide
 
 
 def _opaque_backward_ops():

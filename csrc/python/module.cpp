@@ -42,7 +42,8 @@ struct PyLeafError : public torch::PyTorchError {
 }
 
 // A Python exception thrown through the core (called inside its catch
-// block): add `note` to it, as _leaf._add_note does for real functions.
+// block): add `note` to it once, as torchleaf._errors.add_note does for
+// real functions (the same two lines, here: no lookup of Python by name).
 void note_python_error(const std::string& note) {
   try {
     throw;
@@ -57,7 +58,11 @@ void note_python_error(const std::string& note) {
     py::error_scope pending;
     PyErr_NormalizeException(&e.type, &e.value, &e.traceback);
     try {
-      py::module_::import("torchleaf._leaf").attr("_add_note")(py::handle(e.value), note);
+      py::handle value(e.value);
+      py::object notes = py::getattr(value, "__notes__", py::tuple());
+      if (!notes.contains(note) && py::hasattr(value, "add_note")) {
+        value.attr("add_note")(note);
+      }
     } catch (py::error_already_set&) {
       // Leave the original exception as it is.
     }

@@ -62,9 +62,17 @@ def call(
     without running anything, when `arguments` is not None: such calls must be
     described for a graph."""
 
-def run_fake(leaf: int, plan: int, inputs: list[torch.Tensor], mutated: list[torch.Tensor]) -> list[torch.Tensor]:
+def run_fake(
+    leaf: int,
+    plan: int,
+    inputs: list[torch.Tensor],
+    mutated: list[torch.Tensor],
+    strides_relied_on: bool = False,
+) -> list[torch.Tensor]:
     """Run a leaf's fake implementation for a call of `plan` (the fake kernel
-    of every torchleaf operator)."""
+    of every torchleaf operator). The outputs' metadata is recorded for the
+    check of real calls, their strides only when `strides_relied_on`
+    (Inductor's lowering)."""
 
 def direct_operator_entry(name: str, replaced: Callable[..., Any]) -> Callable[..., Any]:
     """A callable for OpOverload._op of torchleaf::<name> ('call', 'forward'

@@ -17,9 +17,9 @@ _C._set_error_type(LeafFunctionError)
 
 from . import config  # noqa: E402
 from ._leaf import LeafFunction, leaf_function  # noqa: E402
-from ._registration import _register_ops, sync_cpp_leaves  # noqa: E402
+from ._ops import register_ops, sync_cpp_leaves  # noqa: E402
 
-_register_ops()
+register_ops()
 
 
 def _tag_compile_caches():

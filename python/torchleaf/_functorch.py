@@ -26,15 +26,17 @@ its backward must replay per-sample graphs.
 import weakref
 
 import torch
-import torch.utils._pytree as pytree
 
 from . import _C
-from ._errors import LeafFunctionError
-
-_functorch = torch._C._functorch
+from . import _outputs as outputs
+from ._errors import LeafFunctionError, add_note
+from ._runner import invoke, invoke_compiled
+from ._signature import IN_TENSOR, MODULE_KINDS
+from ._torch_private import functorch as _functorch
+from ._torch_private import pytree
 
 # Python leaves by id (for their names, plans and vmap rules); weak.
-LEAVES = weakref.WeakValueDictionary()
+LEAVES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _leaf_name(leaf_id):
@@ -146,7 +148,7 @@ def _loop(
             token = out.pop()
         results.append(out)
     outputs = _stack(name, results, own_rule)
-    dims = [0] * len(outputs)
+    dims: list = [0] * len(outputs)
     if ordered:
         outputs.append(token)
         dims.append(None)
@@ -252,8 +254,6 @@ def _run_own_rule(leaf, info, plan_index, inputs, in_dims, mutated, mutated_dims
     """Calls the leaf's registered vmap rule with the user's arguments (and
     in_dims per positional argument, as torch.library.register_vmap does);
     returns the operator's outputs and their out dims."""
-    from . import _leaf
-
     plan = leaf._plans[plan_index]
     tensors = inputs + mutated
     dims = in_dims + mutated_dims
@@ -267,16 +267,12 @@ def _run_own_rule(leaf, info, plan_index, inputs, in_dims, mutated, mutated_dims
             f"only. Pass that value unbatched, or remove the rule to use the per-sample loop.",
         )
 
-    for kind, pos, structure in plan.slots:
-        if kind == _leaf._IN_TENSOR:
+    for slot in plan.slots:
+        pos, n = slot.position, slot.width
+        if slot.kind == IN_TENSOR:
             flat_dims[pos] = dims[k]
-            k += 1
-            continue
-        n = 1
-        if kind in _leaf._MODULE_KINDS:
-            n = len(structure[2]) if kind == _leaf._IN_MODULE else structure[4]
-        if any(d is not None for d in dims[k : k + n]):
-            raise refuse(f"argument {pos} (a {'module' if n != 1 or kind in _leaf._MODULE_KINDS else 'non-tensor value'})")
+        elif any(d is not None for d in dims[k : k + n]):
+            raise refuse(f"argument {pos} (a {'module' if slot.kind in MODULE_KINDS else 'non-tensor value'})")
         k += n
     for j, pos in enumerate(plan.mutated):
         flat_dims[pos] = mutated_dims[j]
@@ -291,10 +287,10 @@ def _run_own_rule(leaf, info, plan_index, inputs, in_dims, mutated, mutated_dims
         return rule(info, tuple(args_dims), *args, **kwargs)
 
     try:
-        invoke = _leaf._invoke_compiled if plan.ordered else _leaf._invoke  # autocast as traced
-        result = invoke(leaf, run, plan, tensors, None, fake=False)
+        run_rule = invoke_compiled if plan.ordered else invoke  # autocast as traced
+        result = run_rule(leaf, run, plan, tensors, None, fake=False)
     except BaseException as e:
-        _leaf._add_note(e, f"raised inside the vmap rule of leaf function '{leaf._name}'")
+        add_note(e, f"raised inside the vmap rule of leaf function '{leaf._name}'")
         raise
     if not isinstance(result, tuple) or len(result) != 2:
         raise _error(
@@ -303,7 +299,7 @@ def _run_own_rule(leaf, info, plan_index, inputs, in_dims, mutated, mutated_dims
             f"(outputs, out_dims), as for torch.library.register_vmap.",
         )
     out, out_dims = result
-    flat, desc = _leaf._flatten_output(leaf, out)
+    flat, desc = outputs.flatten_output(leaf, out)
     leaves, spec = pytree.tree_flatten(out)
     flat_out_dims = pytree._broadcast_to_and_flatten(out_dims, spec)
     if flat_out_dims is None:
@@ -315,7 +311,7 @@ def _run_own_rule(leaf, info, plan_index, inputs, in_dims, mutated, mutated_dims
     out_dims = [d for x, d in zip(leaves, flat_out_dims) if isinstance(x, torch.Tensor)]
     plan.check_output(leaf, desc)
     if plan.ordered:
-        flat = flat + [_leaf._new_order_token()]
+        flat = flat + [torch.empty(0, dtype=torch.int64)]  # a new order token
         out_dims = out_dims + [None]
     return flat, out_dims
 

@@ -214,7 +214,7 @@ def train(mode, backend, rank):
         ]
         report.update(
             subgraphs=counter.frame_count,
-            leaf_subgraphs=[i for i, g in enumerate(counter.graphs) if any(g is l for l in leaf_graphs)],
+            leaf_subgraphs=[i for i, g in enumerate(counter.graphs) if any(g is lg for lg in leaf_graphs)],
             graph_sizes=[len(g.graph.nodes) for g in counter.graphs],
             dynamo_graphs=counters["stats"]["unique_graphs"],
         )

@@ -10,6 +10,15 @@ import torchleaf
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def pytest_collection_modifyitems(items):
+    """A test run with backend "inductor" is slow (an Inductor compile):
+    marked so by its parameter, as other slow tests are by their marker."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if any(isinstance(v, str) and v == "inductor" for v in params.values()):
+            item.add_marker(pytest.mark.slow)
+
+
 def _test_library_path():
     build = os.environ.get("TORCHLEAF_BUILD_DIR", os.path.join(_ROOT, "build", "py"))
     matches = glob.glob(os.path.join(build, "tests", "cpp", "libtorchleaf_testleaves.so"))

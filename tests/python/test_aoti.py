@@ -15,6 +15,8 @@ import torch
 
 import torchleaf
 
+pytestmark = pytest.mark.slow  # C++ builds and subprocesses: not in `make check`
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _EXAMPLE = os.path.join(_ROOT, "examples", "aoti")
 

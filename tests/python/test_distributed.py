@@ -29,10 +29,13 @@ WORLD = 2
 TIMEOUT_S = 240
 OK = "torchleaf-distributed-ok"
 
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="needs torch.distributed with the gloo backend",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="needs torch.distributed with the gloo backend",
+    ),
+    pytest.mark.slow,  # several processes: not in `make check`
+]
 
 
 def _free_port():

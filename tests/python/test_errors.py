@@ -10,6 +10,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torchleaf
+from _graphs import traced_call_site
 from torchleaf import LeafFunctionError
 
 
@@ -157,11 +158,10 @@ def released_state():
 def wrong_gradient_count():
     leaf = leaf_with_fake(lambda x: (x * 2, x * 3), lambda x: (torch.empty_like(x), torch.empty_like(x)))
     x = torch.ones(2, requires_grad=True)
-    leaf(x)  # makes the call's plan
-    plan = leaf._positional[1].index
-    outs, state = torch.ops.torchleaf.forward(leaf._id, plan, [x.detach()], [0])
+    leaf_id, plan = traced_call_site(leaf, x.detach())
+    outs, state = torch.ops.torchleaf.forward(leaf_id, plan, [x.detach()], [0])
     try:
-        torch.ops.torchleaf.backward(leaf._id, state, [torch.ones(2)], [6, 0, -1, 1, 2])
+        torch.ops.torchleaf.backward(leaf_id, state, [torch.ones(2)], [6, 0, -1, 1, 2])
     except LeafFunctionError as e:
         error = e.with_traceback(None)  # the traceback's frames hold the state handle
     del outs, state

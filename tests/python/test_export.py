@@ -69,6 +69,7 @@ def test_named_leaf_exports_as_one_operator_node(strict):
         torch.testing.assert_close(ep.module()(inp), net(inp))
 
 
+@pytest.mark.slow
 def test_saved_program_runs_in_a_fresh_process_with_gradients(tmp_path):
     net = defs.Net()
     ep = torch.export.export(net, (_inputs()[0],))
@@ -100,6 +101,7 @@ def test_saved_program_runs_in_a_fresh_process_with_gradients(tmp_path):
     assert "outputs and gradients equal" in proc.stdout
 
 
+@pytest.mark.slow
 def test_loading_without_the_defining_module_names_it(tmp_path):
     ep = torch.export.export(defs.Net(), (_inputs()[0],))
     torch.export.save(ep, tmp_path / "net.pt2")
@@ -192,7 +194,7 @@ def test_names_are_unique_while_alive_and_rebind_after():
 
     class Net(nn.Module):
         def forward(self, x):
-            return first(x)
+            return first(x)  # noqa: F821 (deleted below, after this is traced)
 
     x = torch.randn(3)
     ep = torch.export.export(Net(), (x,))
@@ -223,9 +225,9 @@ def test_opcheck_on_leaf_operators(cpp_leaves):
     # A C++ leaf's named operator.
     results.append(opcheck(ops.scale_bias.default, ([x, x.detach().clone().requires_grad_()],)))
     # The generic operator a Python leaf's compiled calls go through.
-    from torchleaf._leaf import _TENSOR, _TRACED
+    from _graphs import traced_call_site
 
-    plan = defs.gate._plan_from_key(torch.utils._pytree.tree_structure(((0, 0), {})), (_TENSOR,) * 2, _TRACED)
-    results.append(opcheck(torch.ops.torchleaf.call.default, (defs.gate._id, plan.index, [x, w])))
+    leaf_id, plan = traced_call_site(defs.gate, x.detach(), w.detach())
+    results.append(opcheck(torch.ops.torchleaf.call.default, (leaf_id, plan, [x, w])))
     for result in results:
         assert set(result.values()) == {"SUCCESS"}, result

@@ -149,9 +149,9 @@ def test_the_operators_as_compiled_graphs_call_them():
     off, which the direct entries run without the dispatcher
     (forward_plain, backward_plain): a tangent on an input or on a gradient
     is the same clear error as through the operators' Autograd kernels."""
-    from torchleaf import _leaf
+    from _graphs import compiled_call_site
 
-    plan = _leaf._positional_plan(py_leaf, 1).index  # a compiled call's: outputs [out, token]
+    _, plan = compiled_call_site(py_leaf, torch.randn(5))  # a compiled call's: outputs [out, token]
     forward, backward = torch.ops.torchleaf.forward.default, torch.ops.torchleaf.backward.default
     x, v = torch.randn(5), torch.randn(5)
     meta = [6, 0, -1, 1, 5]  # (the gradient's dtype, device and size)

@@ -8,7 +8,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import torchleaf
-from torchleaf import _C, _leaf
+from _graphs import compiled_call_site, order_token
+from torchleaf import _C
 
 _NAMES = ("call", "forward", "backward")
 
@@ -23,8 +24,8 @@ def leaf_call():
     input that requires grad."""
     leaf = torchleaf.leaf_function(_scaled)
     leaf.register_fake(torch.empty_like)
-    leaf_id, plan = leaf._id, _leaf._positional_plan(leaf, 1).index
     x = torch.randn(5, dtype=torch.float64)
+    leaf_id, plan = compiled_call_site(leaf, x)
     return leaf, leaf_id, plan, x
 
 
@@ -58,7 +59,7 @@ def test_the_operators_call_through_the_direct_entries():
 def test_direct_and_pytorch_entries_agree_on_values_and_gradients(leaf_call):
     _, leaf_id, plan, x = leaf_call
     entries, spies = _entries()
-    token = _leaf._ORDER_TOKEN
+    token = order_token()
     direct_out, direct_state = entries["forward"](leaf_id, plan, [x, token], [0])
     torch_out, torch_state = spies["forward"].real(leaf_id, plan, [x, token], [0])
     torch.testing.assert_close(direct_out[0], _scaled(x))
@@ -82,7 +83,7 @@ def test_direct_and_pytorch_entries_agree_on_values_and_gradients(leaf_call):
 def test_other_calls_go_to_pytorchs_entry_unchanged(leaf_call):
     _, leaf_id, plan, x = leaf_call
     entries, spies = _entries()
-    token = _leaf._ORDER_TOKEN
+    token = order_token()
 
     class Logged(torch.Tensor):
         seen = []
@@ -131,7 +132,7 @@ def test_direct_entries_raise_pytorchs_errors(leaf_call):
         entries["forward"](dead, plan, [x])
     # The process stays usable.
     _, leaf_id, plan, _ = leaf_call
-    torch.testing.assert_close(entries["call"](leaf_id, plan, [x, _leaf._ORDER_TOKEN])[0], _scaled(x))
+    torch.testing.assert_close(entries["call"](leaf_id, plan, [x, order_token()])[0], _scaled(x))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -5,8 +5,8 @@ deep in a compiled program."""
 
 import inspect
 
+import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchleaf
 
@@ -61,17 +61,6 @@ def test_reparametrize_module_takes_the_arguments_torchleaf_passes():
     assert isinstance(lin.weight, torch.nn.Parameter)
 
 
-def test_len_torch_dispatch_stack_counts_active_modes():
-    assert torch._C._len_torch_dispatch_stack() == 0
-
-    class Passthrough(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    with Passthrough():
-        assert torch._C._len_torch_dispatch_stack() == 1
-
-
 def test_compile_cache_key_tag_carries_the_operator_schema_version():
     tag = torch.compiler.config.cache_key_tag
     assert f"torchleaf-ops-v{torchleaf._C.OPERATOR_SCHEMA_VERSION}" in tag.split(";")
@@ -82,7 +71,7 @@ def test_dynamo_tells_a_higher_order_operator_body_from_the_top_level():
     # and the output graph's current_tracer.parent.
     from torch.utils.checkpoint import checkpoint
 
-    from torchleaf._leaf import _tracing_a_subgraph
+    from torchleaf._torch_private import dynamo_traces_a_subgraph as _tracing_a_subgraph
 
     seen = []
 
@@ -204,10 +193,10 @@ def test_autocast_state_queries():
     assert not torch._C._is_any_autocast_enabled()
     with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
         assert torch._C._is_any_autocast_enabled()
-        from torchleaf import _leaf
+        from torchleaf import _runner
 
-        assert _leaf._autocast_state() == ((("cpu", torch.bfloat16),), False)
-    assert _leaf._autocast_state() is None
+        assert _runner.autocast_state() == ((("cpu", torch.bfloat16),), False)
+    assert _runner.autocast_state() is None
 
 
 def test_set_grad_enabled_sets_the_mode_and_returns_nothing():
@@ -247,6 +236,7 @@ def test_an_op_overload_calls_and_hashes_through_its_op_attribute():
     lib._destroy()
 
 
+@pytest.mark.slow
 def test_inductor_lowers_capturing_operators_through_the_wrapped_fallback():
     """torchleaf wraps the fallback lowering Inductor makes for forward and
     adds each call's input buffers to V.graph.never_reuse_buffers
@@ -258,7 +248,7 @@ def test_inductor_lowers_capturing_operators_through_the_wrapped_fallback():
     from torch._inductor.utils import run_and_get_code
     from torch._library.utils import get_layout_constraint_tag
 
-    from torchleaf import _registration
+    from torchleaf import _inductor
 
     assert callable(lowering.make_fallback) and callable(lowering.tag_to_layout_constraint)
     assert callable(get_layout_constraint_tag)
@@ -275,7 +265,7 @@ def test_inductor_lowers_capturing_operators_through_the_wrapped_fallback():
     f = torch.compile(lambda x: (leaf(x[0] * 2) + leaf(x[1] * 2)).sum(), backend="inductor", fullgraph=True)
     x = torch.randn(2, 3, requires_grad=True)
     _, (forward_code, *_) = run_and_get_code(f, x)
-    assert _registration._inductor_lowerings_installed
+    assert _inductor._inductor_lowerings_installed
     assert torch.ops.torchleaf.forward.default in lowering.lowerings
     assert "torch.ops.torchleaf.forward.default" in forward_code
     assert "# reuse" not in forward_code, forward_code
@@ -291,7 +281,7 @@ def test_rng_state_wrappers_find_a_capturing_operators_device():
     from torch._inductor import lowering
     from torch._prims import rng_prims
 
-    from torchleaf import _registration
+    from torchleaf import _inductor
 
     for name in ("forward", "forward_mutating", "forward_functional"):
         assert torch.Tag.nondeterministic_seeded in getattr(torch.ops.torchleaf, name).default.tags
@@ -303,8 +293,8 @@ def test_rng_state_wrappers_find_a_capturing_operators_device():
     assert source.count("device = get_device(args, kwargs)") >= 2
     assert rng_prims.run_and_save_rng_state in lowering.lowerings
     assert rng_prims.run_with_rng_state in lowering.lowerings
-    _registration._keep_captured_inputs_in_inductor()
-    assert _registration._inductor_lowerings_installed
+    _inductor.keep_captured_inputs()
+    assert _inductor._inductor_lowerings_installed
     for wrapper in (rng_prims.run_and_save_rng_state, rng_prims.run_with_rng_state):
         assert hasattr(lowering.lowerings[wrapper], "__wrapped__")  # torchleaf's keep_inputs
 
@@ -320,7 +310,7 @@ def test_inductor_skips_the_size_asserts_torchleaf_marks():
     from torch._inductor import ir, lowering  # noqa: F401 (installs torchleaf's wrappers below)
     from torch._inductor.codegen import wrapper
 
-    from torchleaf import _registration
+    from torchleaf import _inductor
 
     assert "skip_size_stride_alignment_checks" in inspect.signature(ir.MultiOutput.__init__).parameters
     assert "if not self.skip_size_stride_alignment_checks" in inspect.getsource(ir.MultiOutput.codegen)
@@ -328,20 +318,20 @@ def test_inductor_skips_the_size_asserts_torchleaf_marks():
         inspect.unwrap(wrapper.PythonWrapperCodegen.codegen_input_size_asserts)
     )
     assert "_pending_input_asserts" in inspect.getsource(wrapper.PythonWrapperCodegen.codegen_deferred_input_asserts)
-    _registration._keep_captured_inputs_in_inductor()
+    _inductor.keep_captured_inputs()
     assert hasattr(wrapper.PythonWrapperCodegen.codegen_input_size_asserts, "__wrapped__")
 
 
 def test_checkpointing_pack_hooks_are_recognized():
     """torchleaf keeps no state for copies of a handle under non-reentrant
     checkpointing's saved-tensor hooks, which save nothing or the tensor
-    itself (_registration._saved_hook_may_copy). It recognizes them by
+    itself (_ops._saved_hook_may_copy). It recognizes them by
     module and qualified name, so a renamed hook would bring back the leak
     test_training_stack.py::test_eager_checkpointing_around_a_compiled_region_keeps_no_state
     catches."""
     from torch.utils import checkpoint
 
-    from torchleaf import _registration
+    from torchleaf import _ops
 
     seen = []
 
@@ -353,9 +343,31 @@ def test_checkpointing_pack_hooks_are_recognized():
     x = torch.ones(2, requires_grad=True)
     checkpoint.checkpoint(record, x, use_reentrant=False).sum().backward()
     forward_hook, recompute_hook = seen
-    assert not _registration._saved_hook_may_copy(forward_hook)
-    assert not _registration._saved_hook_may_copy(recompute_hook)
-    assert _registration._saved_hook_may_copy(lambda t: t.clone())
+    assert not _ops._saved_hook_may_copy(forward_hook)
+    assert not _ops._saved_hook_may_copy(recompute_hook)
+    assert _ops._saved_hook_may_copy(lambda t: t.clone())
     with torch.autograd.graph.save_on_cpu():
         (pack, _), = [torch._C._autograd._top_saved_tensors_default_hooks(True)]
-    assert _registration._saved_hook_may_copy(pack)
+    assert _ops._saved_hook_may_copy(pack)
+
+
+def test_design_lists_exactly_the_private_api_layer():
+    """docs/design.md's table of private PyTorch APIs (Python) names exactly
+    what python/torchleaf/_torch_private.py holds, and no other module of
+    torchleaf imports a private PyTorch name."""
+    import os
+    import re
+
+    from torchleaf import _torch_private
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    design = open(os.path.join(root, "docs", "design.md")).read()
+    section = design.split("### Python (`python/torchleaf/_torch_private.py`)")[1].split("###")[0]
+    listed = set(re.findall(r"^\| `([A-Za-z_]+)` \|", section, re.M))
+    assert listed == set(_torch_private.__all__)
+    package = os.path.dirname(_torch_private.__file__)
+    for name in os.listdir(package):
+        if name.endswith(".py") and name != "_torch_private.py":
+            source = open(os.path.join(package, name)).read()
+            found = re.findall(r"^\s*(?:from|import) torch\S*\._\w+|(?<![\w.])torch\._[A-Za-z]\w*", source, re.M)
+            assert not found, (name, found)

@@ -357,6 +357,7 @@ def test_an_unpickled_module_runs_compiled_as_itself(backend):
     assert counter.frame_count == 3
 
 
+@pytest.mark.slow
 def test_inductor_may_reuse_an_output_buffer_the_captured_graph_saved():
     """tanh saves its result for backward; Inductor computed `out * 2` in the
     output's own buffer, corrupting that saved result."""
@@ -380,6 +381,7 @@ def test_inductor_may_reuse_an_output_buffer_the_captured_graph_saved():
 
 @pytest.mark.parametrize("held_by", ["global", "module_attribute", "log"])
 @pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.slow
 def test_inductor_never_writes_into_an_output_something_else_holds(held_by, grad):
     """A body that returns a tensor it does not own (a global table, a plain
     module attribute, a result it also logs):
@@ -431,6 +433,7 @@ def test_inductor_never_writes_into_an_output_something_else_holds(held_by, grad
 
 
 @pytest.mark.parametrize("pattern", ["two_calls", "vmap", "mm_then_tanh"])
+@pytest.mark.slow
 def test_inductor_keeps_an_input_buffer_the_captured_graph_saved(pattern):
     """sin saves its input for backward, mm both operands. Inductor reused the
     buffer of an intermediate passed to a leaf for its next kernel, so the
@@ -458,6 +461,7 @@ def test_inductor_keeps_an_input_buffer_the_captured_graph_saved(pattern):
 
 
 @pytest.mark.parametrize("passed", ["whole", "view"])
+@pytest.mark.slow
 def test_inductor_copies_an_input_the_graph_changes_in_place_afterwards(passed):
     """The body saves its input `w` (mul does); the compiled function then
     changes `w` in place. Inductor writes that change into w's buffer, and
@@ -536,7 +540,7 @@ def test_a_graph_that_outlives_its_leaf_fails_clearly():
     def _(x):
         return torch.empty_like(x)
 
-    gm = make_fx(lambda x: temporary(x), tracing_mode="fake")(torch.ones(2))
+    gm = make_fx(lambda x: temporary(x), tracing_mode="fake")(torch.ones(2))  # noqa: F821 (deleted at the end)
     torch.testing.assert_close(gm(torch.ones(2)), torch.full((2,), 2.0))
     del temporary, _
     gc.collect()
@@ -563,7 +567,7 @@ def test_a_backward_in_flight_outlives_its_leaf(backend):
 
     leaf = make()
     ref = weakref.ref(leaf)
-    compiled = torch.compile(lambda x: leaf(x).sum(), backend=backend, fullgraph=True)
+    compiled = torch.compile(lambda x: leaf(x).sum(), backend=backend, fullgraph=True)  # noqa: F821 (deleted before the call)
     x = torch.randn(4, dtype=torch.float64, requires_grad=True)
     loss = compiled(x)
     del leaf, compiled

@@ -13,8 +13,8 @@ import pickle
 import pytest
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.nn.utils import parametrize
 
 import torchleaf
 from torchleaf import LeafFunctionError
@@ -105,6 +105,7 @@ def test_namedtuple_outputs(backend):
     torch.testing.assert_close(g, torch.autograd.grad(expected.high.sum() + expected.low.sum(), x)[0])
 
 
+@pytest.mark.slow
 def test_a_fake_describes_the_copy_of_an_aliasing_output():
     """An output that is a view of another output is returned as a copy,
     laid out as clone() lays it out; Inductor relies on the fake's strides,
@@ -571,15 +572,15 @@ def test_changes_to_a_module_between_calls_are_seen(backend):
 def test_modules_the_walk_cannot_place_are_bound_by_name(monkeypatch):
     # The fallback for modules whose parameters a walk of named_modules does
     # not find under their names (an overridden named_parameters).
-    from torchleaf import _leaf as leaf_module
+    from torchleaf import _modules as modules
 
-    walk = leaf_module._ModuleView.__init__
+    walk = modules.ModuleView.__init__
 
     def cannot_place(self, module):
         walk(self, module)
         self.slot_dicts = None
 
-    monkeypatch.setattr(leaf_module._ModuleView, "__init__", cannot_place)
+    monkeypatch.setattr(modules.ModuleView, "__init__", cannot_place)
     test_modules_with_tied_parameters_and_the_same_module_twice(None)
     test_changes_to_a_module_between_calls_are_seen(None)
     test_weights_tied_across_modules(None)
@@ -899,6 +900,7 @@ def test_a_fake_with_the_wrong_strides_is_named_where_the_graph_relies_on_them(b
         torch.testing.assert_close(compiled(x), real(x) + 1)
 
 
+@pytest.mark.slow
 def test_a_layout_traced_second_is_checked_against_its_own_trace():
     """A fake that is right for channels_last inputs and wrong for contiguous
     ones (the body's channels_last weight makes every output channels_last).
@@ -990,7 +992,8 @@ def test_constant_outputs_of_compiled_calls_are_checked_on_every_call(backend):
         clipped = bool((x.abs() > limit).any())
         return x.clamp(-limit, limit), clipped, {"scale": 2}
 
-    leaf = _leaf(clip, lambda x, limit: (torch.empty_like(x), True, {"scale": 2}))
+    body = [clip]  # what the leaf runs: swapped below, as a changing configuration would
+    leaf = _leaf(lambda x, limit: body[0](x, limit), lambda x, limit: (torch.empty_like(x), True, {"scale": 2}))
     run = torch.compile(lambda x, limit: leaf(x, limit), backend=backend, fullgraph=True)
     x = torch.tensor([0.5, -3.0, 2.0])
     for _ in range(3):
@@ -1004,7 +1007,7 @@ def test_constant_outputs_of_compiled_calls_are_checked_on_every_call(backend):
         out, clipped, extra = clip(x, limit)
         return out, int(clipped), extra
 
-    leaf._fn = clip_as_int  # the same values, 1 for True
+    body[0] = clip_as_int  # the same values, 1 for True
     with pytest.raises(LeafFunctionError, match=r"different output structure.*\n  real: \(Tensor, 1, "):
         run(x, 1.0)
 
@@ -1016,13 +1019,14 @@ def test_a_nan_constant_output_matches_a_nan_fake(backend):
     def metric(x):
         return x * 2, float("nan"), complex(float("nan"), 1.0)
 
-    leaf = _leaf(metric, lambda x: (torch.empty_like(x), float("nan"), complex(float("nan"), 1.0)))
+    body = [metric]
+    leaf = _leaf(lambda x: body[0](x), lambda x: (torch.empty_like(x), float("nan"), complex(float("nan"), 1.0)))
     run = torch.compile(leaf, backend=backend, fullgraph=True)
     out, value, z = run(torch.ones(2))
     torch.testing.assert_close(out, torch.full((2,), 2.0))
     assert math.isnan(value) and math.isnan(z.real) and z.imag == 1.0
     # A nan in one part does not make the other part equal.
-    leaf._fn = lambda x: (x * 2, float("nan"), complex(float("nan"), 2.0))
+    body[0] = lambda x: (x * 2, float("nan"), complex(float("nan"), 2.0))
     with pytest.raises(LeafFunctionError, match=r"returned \(nan\+2j\) at output\[2\], but its fake implementation returned \(nan\+1j\)"):
         run(torch.ones(2))
 
@@ -1270,10 +1274,10 @@ def test_a_fake_whose_structure_follows_a_module_setting_is_a_clear_error(monkey
     # Which module of the structure a fake runs on is up to the order of a
     # weak set: here Dynamo's run of the fake gets the eval-mode copy and
     # AOTAutograd's the training one, as a probe saw.
-    from torchleaf import _leaf as leaf_module
+    from torchleaf import _modules
 
     picks = iter([ema])
-    monkeypatch.setattr(leaf_module, "_module_of_structure", lambda structure, tensors: next(picks, router))
+    monkeypatch.setattr(_modules, "_module_of_structure", lambda structure, tensors: next(picks, router))
     leaf = _leaf(route, fake)
     compiled = torch.compile(lambda r, x: leaf(r, x), backend="aot_eager", fullgraph=True)
     # (Raised while AOTAutograd traces, inside Dynamo's BackendCompilerFailed.)

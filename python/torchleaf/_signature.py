@@ -1,0 +1,595 @@
+"""Call signatures: how a call's arguments become the operator's tensors
+(one classifier, :func:`classify`), and how a :class:`Plan` rebuilds them.
+
+A plan describes one call *structure*: the pytree spec of ``(args,
+kwargs)``, what each flat argument is (a tensor, a module of some structure,
+a carried int or float, a constant baked in), the declared mutations, and how
+the call is made (eagerly, traced, compiled). Plans are keyed by a
+deterministic description of that structure, never by object identity, and a
+graph names a plan by its index (a fingerprint, the same in every process).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import operator
+import os
+import re
+import threading
+import types
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from . import _carriers as carriers
+from . import _outputs as outputs
+from ._errors import LeafFunctionError
+from ._modules import ModuleStructure, module_at_run_time
+from ._torch_private import pytree
+
+_Tensor = torch.Tensor
+
+# How a plan's calls are made: eagerly (arguments passed along), traced by
+# make_fx or fake tensors (constants baked in), compiled by Dynamo (also
+# ordered by a token), or exported (the leaf's named operator).
+EAGER, TRACED, COMPILED, EXPORTED = range(4)
+
+# ------------------------------------------------------------ the classifier
+# What one flat argument of a call is (classify).
+TENSOR_ARG, MODULE_ARG, NDARRAY_ARG, INT_ARG, FLOAT_ARG, CONSTANT_ARG, OBJECT_ARG, ITERATOR_ARG = range(8)
+
+# Iterators a compiled call cannot pass on: Dynamo runs them while tracing.
+ITERATORS = (types.GeneratorType, map, filter, zip, enumerate, reversed)
+
+
+def is_ndarray(x) -> bool:
+    cls = type(x)
+    return cls.__name__ == "ndarray" and cls.__module__ == "numpy"
+
+
+def plain(c) -> bool:
+    """Whether Dynamo can pass ``c`` as a constant (an argument, or a pytree
+    node's context)."""
+    if c is None or type(c) in (bool, int, float, str, bytes, torch.dtype, torch.device) or isinstance(c, type):
+        return True
+    if type(c) in (tuple, list):
+        return all(plain(x) for x in c)
+    return False
+
+
+def classify(x, mode: int) -> int:
+    """What flat argument ``x`` is to a call made in ``mode``: the one place
+    that decides. Eager and exported calls know tensors and modules (the rest
+    are the call's own constants); traced calls also pass numpy arrays as
+    tensors; compiled calls (traced by Dynamo) also carry ints and floats,
+    which would otherwise recompile per value, and tell plain constants from
+    other objects and iterators."""
+    # (Tensors first: type() of a tensor compared with a class would add a
+    # Dynamo guard run in Python, on torch.Tensor's identity.)
+    if isinstance(x, _Tensor):
+        return TENSOR_ARG
+    if isinstance(x, nn.Module):
+        return MODULE_ARG
+    if mode == EAGER or mode == EXPORTED:
+        return CONSTANT_ARG
+    if mode == TRACED:
+        return NDARRAY_ARG if is_ndarray(x) else CONSTANT_ARG
+    t = type(x)
+    if t is int:  # not bool or IntEnum: those stay constants
+        return INT_ARG
+    if t is float:  # Dynamo makes changing floats symbolic
+        return FLOAT_ARG
+    if is_ndarray(x):  # Dynamo holds arrays as tensors
+        return NDARRAY_ARG
+    if plain(x):
+        return CONSTANT_ARG
+    if isinstance(x, ITERATORS):
+        return ITERATOR_ARG
+    return OBJECT_ARG
+
+
+# ------------------------------------------------------------- call keys
+# A call's key has one entry per flat argument: a marker below, a module's
+# (MODULE_KEY, ModuleStructure), or (traced and compiled plans) the
+# constant itself; eager keys hold None for constants.
+TENSOR = "\x00torchleaf:tensor"
+MODULE_KEY = "\x00torchleaf:module"
+NDARRAY = "\x00torchleaf:ndarray"  # a numpy array a traced call passes as a tensor
+FLOAT = "\x00torchleaf:float"  # a float a compiled program passes as a 0-dim tensor
+# An int a compiled program passes as a carrier's size, by its coding.
+INT_BY_CODING = {
+    carriers.SIZE: "\x00torchleaf:int",
+    carriers.NEGATED: "\x00torchleaf:-int",
+    carriers.ZIGZAG: "\x00torchleaf:zigzag-int",
+}
+_CODING_OF_INT = {marker: coding for coding, marker in INT_BY_CODING.items()}
+
+# ------------------------------------------------------------------ slots
+# Kinds of operator inputs, in a plan's order.
+IN_TENSOR, IN_MODULE, IN_INT, IN_NDARRAY, IN_FLOAT = range(5)
+# A module named in mutates_args: its parameters are inputs, its buffers are
+# declared mutable (BatchNorm's running statistics).
+IN_MODULE_MUTABLE_BUFFERS = 5
+MODULE_KINDS = (IN_MODULE, IN_MODULE_MUTABLE_BUFFERS)
+
+
+class Slot(NamedTuple):
+    """One argument that the operator receives as tensors."""
+
+    kind: int  # IN_*
+    position: int  # in the call's flat arguments
+    module: Optional[ModuleStructure] = None  # module kinds
+    coding: Optional[int] = None  # IN_INT: the carrier's coding (carriers.SIZE, ...)
+
+    @property
+    def width(self) -> int:
+        """How many of the operator's inputs it takes: a module's tensors
+        (declared-mutable buffers excepted: they are mutated tensors), else one."""
+        if self.module is None:
+            return 1
+        return len(self.module.names) if self.kind == IN_MODULE else self.module.n_params
+
+
+def split_module_tensors(width: int, tensors, inputs: list, mutable_buffers: list) -> None:
+    """A module slot's tensors: the inputs it takes (its width), and the
+    rest, buffers declared mutable, as mutated tensors."""
+    inputs.extend(tensors[:width])
+    mutable_buffers.extend(tensors[width:])
+
+
+_FINGERPRINT_MASK = (1 << 62) - 1
+
+
+def _fingerprint(full_key) -> int:
+    """A plan's index: the same for the same call structure in every process.
+    Graphs hold the index as a constant, and PyTorch's on-disk compile caches
+    hand a graph compiled in one process to another whose graph reads alike:
+    the index must then name the same call structure there (constants baked
+    into the plan, which the graph does not show, included)."""
+    try:
+        text = repr(full_key)
+    except Exception:  # a constant whose repr fails: a fingerprint of this process only
+        text = f"{os.getpid()}:{id(full_key)}"
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _FINGERPRINT_MASK
+
+
+class EagerArguments(NamedTuple):
+    """What an eager call hands its real function through the core (which
+    holds it as an opaque object): the call's own flat arguments (constants
+    and modules included), and the views of its modules that the call
+    checked when it made its plan, which the function, moments later (only
+    C++ runs in between), uses rather than checking again."""
+
+    flat: list
+    views: tuple  # ((module, _modules.ModuleView), ...)
+
+
+class Plan:
+    """How to rebuild one call structure's arguments from the operator's tensors.
+
+    The operator receives ``inputs`` -- per ``slots`` entry a tensor, a
+    module's parameters and buffers, or an int carrier; then, for traced
+    plans, one handle tensor per module; then, for compiled plans, the
+    order token (not on a graph's first non-mutating call) -- and
+    ``mutated``: tensor leaves of the parameters named in ``mutates_args``,
+    then the buffers of modules named there, in that order.
+    Compiled plans also return a new order token after the function's
+    outputs.
+    """
+
+    __slots__ = (
+        "index", "spec", "template", "slots", "mutated", "ordered", "positional", "out",
+        "out_plain", "out_from_real", "out_carries", "out_checks", "out_varied", "autocast", "out_dtypes",
+        "grad", "containers", "n_slot_inputs", "n_modules",
+    )
+
+    def __init__(self, index, spec, template, slots, mutated, mode, positional, autocast=None, grad=False):
+        self.index: int = index
+        self.spec = spec
+        # The flat arguments with baked constants (traced plans) and None
+        # where tensors, modules and carried ints go.
+        self.template: tuple = template
+        self.slots: tuple[Slot, ...] = slots
+        self.mutated: tuple[int, ...] = mutated  # flat positions of declared-mutable tensors
+        self.ordered: bool = mode == COMPILED
+        self.positional: bool = positional  # tensors only, by position: call fn(*tensors)
+        # Operator inputs the slots take, and the modules among them (each
+        # adds a handle to traced calls' inputs).
+        self.n_slot_inputs = sum(slot.width for slot in slots)
+        self.n_modules = sum(1 for slot in slots if slot.kind in MODULE_KINDS)
+        # (args index or kwargs key, first flat position, spec, leaves only)
+        # of each argument that holds a mutable container, which the real
+        # function gets rebuilt (check_containers_unchanged).
+        self.containers = () if positional else _mutable_container_arguments(spec)
+        self.out = None  # the fake's output description, once traced
+        self.out_plain = False  # whether `out` holds no constants
+        self.out_from_real = False  # `out` came from a real call, no fake ran
+        self.out_carries = False  # `out` has ints that travel as carriers
+        self.out_checks: tuple = ()  # what the latest trace's code checks (outputs.output_checks)
+        # (earlier, later) descriptions of two fake runs for this call
+        # structure whose structures differ: compiled code may keep either.
+        self.out_varied = None
+        # Compiled plans: the autocast state the call was traced under
+        # (_runner.autocast_state), entered around its fake and its real function.
+        self.autocast = autocast
+        # Compiled plans traced under autocast: the fake's output dtypes,
+        # which the real outputs must have.
+        self.out_dtypes = None
+        # Compiled plans: whether grad mode was on where the call was traced
+        # (Dynamo guards it), so that the real function runs with it on as
+        # it would in eager code (_runner.run_real).
+        self.grad: bool = grad
+
+    def takes_token(self, n_inputs: int) -> bool:
+        """Whether a call whose ``inputs`` hold ``n_inputs`` tensors ends them
+        with an order token: compiled calls do, except a graph's first
+        non-mutating one (_dynamo: first_ordered_call)."""
+        return self.ordered and n_inputs > self.n_slot_inputs + self.n_modules
+
+    def record_output(self, leaf, desc, from_real=False, flat=None):
+        """Record the description of what a traced graph returns for this
+        call structure (with `flat`, the fake's outputs, what traced code
+        checks against the real ones: outputs.output_checks)."""
+        if (
+            self.out is not None
+            and not self.out_from_real
+            and outputs.structure_of(self.out, carried_as_int=True) != outputs.structure_of(desc, carried_as_int=True)
+        ):
+            # Graphs traced with the earlier structure would return it: their
+            # calls fail from now on (check_output), and so does this trace.
+            self.out_varied = (self.out, desc)
+            raise outputs.fake_structure_varied(leaf, self.out, desc)
+        self.out = desc
+        self.out_plain = next(outputs.constants(desc), None) is None
+        self.out_from_real = from_real
+        self.out_carries = outputs.has_int_carriers(desc)
+        self.out_checks = () if flat is None else outputs.output_checks(desc, flat)
+
+    def check_output(self, leaf, desc):
+        """Check a real call's output description against the traced one: a
+        graph returns the traced structure and constants, whatever the real
+        function returns. Without constants, equal descriptions are equal
+        structures, which a tuple comparison tells at C speed on every call."""
+        traced = self.out
+        if self.out_varied is not None:
+            raise outputs.fake_structure_varied(leaf, *self.out_varied)
+        if traced is None:
+            self.record_output(leaf, desc, from_real=True)  # no fake ran (a non-tracing dispatch mode)
+        elif traced is not desc and not (self.out_plain and traced == desc):
+            if outputs.structure_of(traced) != outputs.structure_of(desc):
+                raise outputs.structure_mismatch(leaf, desc, traced)
+            outputs.check_graph_constants(leaf, traced, desc, self.out_from_real)
+
+    def rebuild(self, leaf, tensors, eager_flat, fake):
+        """(args, kwargs, [(module, structure, tensors, buffers_mutable)],
+        flat) for one call, from the operator's tensors and, for an eager
+        call, its own flat arguments; `flat`, the leaves (args, kwargs) were
+        built from."""
+        flat = list(eager_flat) if eager_flat is not None else list(self.template)
+        k = 0
+        modules: list[tuple[int, Any, list, bool]] = []
+        for slot in self.slots:
+            kind, pos = slot.kind, slot.position
+            if kind == IN_TENSOR:
+                flat[pos] = tensors[k]
+            elif kind == IN_NDARRAY:
+                # The real function gets its array back (sharing memory);
+                # a fake, running on fake tensors, gets the tensor.
+                t = tensors[k]
+                flat[pos] = t if fake and (type(t) is not _Tensor or t.is_meta) else t.numpy()
+            elif kind == IN_FLOAT:
+                # Dynamo does not specialize floats: the value reaches the
+                # function at run time. A fake gets a placeholder (fake
+                # tensors hold no data).
+                t = tensors[k]
+                flat[pos] = carriers.FAKE_FLOAT if fake and (type(t) is not _Tensor or t.is_meta) else t.item()
+            elif kind == IN_INT:
+                flat[pos] = carriers.decode(tensors[k].shape[0], slot.coding)
+            else:  # a module
+                n = slot.width
+                modules.append((pos, slot.module, list(tensors[k : k + n]), kind == IN_MODULE_MUTABLE_BUFFERS))
+                k += n
+                continue
+            k += 1
+        if eager_flat is None:
+            for pos, structure, own, _ in modules:
+                flat[pos] = module_at_run_time(leaf, tensors[k], structure, own, fake)
+                k += 1
+        if self.ordered and k < len(tensors):
+            k += 1  # the order token (a graph's first call has none, unless it mutates)
+        for pos in self.mutated:
+            flat[pos] = tensors[k]
+            k += 1
+        bindings: list[tuple] = []
+        for pos, structure, own, buffers_mutable in modules:
+            if buffers_mutable:  # its buffers come last
+                n = structure.n_buffers
+                own.extend(tensors[k : k + n])
+                k += n
+            module = flat[pos]
+            # The same module passed twice is bound once: its first slot's
+            # tensors go unused (zero gradients, which add up right).
+            bindings = [b for b in bindings if b[0] is not module]
+            bindings.append((module, structure, own, buffers_mutable))
+        args, kwargs = pytree.tree_unflatten(flat, self.spec)
+        return args, kwargs, bindings, flat
+
+    def slot_of_input(self, index: int):
+        """(slot, index within the slot) of operator input ``index``; None for
+        what no slot takes (a module's handle, the order token, mutated
+        tensors)."""
+        n = 0
+        for slot in self.slots:
+            if index < n + slot.width:
+                return slot, index - n
+            n += slot.width
+        return None
+
+    def check_containers_unchanged(self, leaf, args, kwargs, flat):
+        """After the real function ran on containers rebuilt for the call:
+        an error if it changed one in place (``log.append(...)``,
+        ``cfg["k"] = v``), which the caller's own container would never see."""
+        for key, start, spec, leaves_only in self.containers:
+            obj = args[key] if type(key) is int else kwargs[key]
+            changed = _changed_container(obj, spec, flat, start, leaves_only)
+            if changed is None:
+                continue
+            name = leaf._signature.parameter_name(key)
+            what = f"argument {name!r}" if name is not None else f"positional argument {key}"
+            what = f"its {what} (a {type(obj).__name__})" if changed is obj else (
+                f"a {type(changed).__name__} inside its {what}"
+            )
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{leaf._name}' changed {what} in place. A leaf function "
+                f"gets its own copy of each list, dict or other container it is passed (the tensors "
+                f"inside become the call's own), so the caller's container would not see the change. "
+                f"Return what the function computes and update the container outside the leaf, or "
+                f"pass an object of a class of your own, which the function gets itself."
+            )
+
+
+def _changed_container(obj, spec, flat, start, leaves_only=None):
+    """The container in `obj`, rebuilt for a call as `spec` describes with
+    the leaves flat[start:], that the function changed in place; None if
+    none. `leaves_only`: whether `spec`'s children are all leaves (computed
+    when not given)."""
+    t = spec.type
+    if t is list or t is tuple:
+        if type(obj) is not t or len(obj) != spec.num_children:
+            return obj
+        items: Any = obj
+    elif t is dict:
+        if type(obj) is not dict or list(obj) != spec.context:  # (a defaultdict read adds a key)
+            return obj
+        items = obj.values()
+    else:  # another pytree node: compared through the pytree
+        leaves, now = pytree.tree_flatten(obj)
+        same = now == spec and all(map(operator.is_, leaves, flat[start : start + spec.num_leaves]))
+        return None if same else obj
+    children = spec.children()
+    if leaves_only is None:
+        leaves_only = all(child.is_leaf() for child in children)
+    if leaves_only:
+        return None if all(map(operator.is_, items, flat[start : start + len(children)])) else obj
+    for item, child in zip(items, children):
+        if child.is_leaf():
+            if item is not flat[start]:
+                return obj
+        else:
+            changed = _changed_container(item, child, flat, start)
+            if changed is not None:
+                return changed
+        start += child.num_leaves
+    return None
+
+
+def _mutable_container_arguments(spec):
+    """(args index or kwargs key, first flat position, spec, whether its
+    children are all leaves) of the top-level call arguments in `spec`
+    ((args, kwargs)) that hold a container other than a tuple."""
+    args_spec, kwargs_spec = spec.children()
+    names = list(range(args_spec.num_children)) + list(kwargs_spec.context)
+    found, start = [], 0
+    for name, sub in zip(names, [*args_spec.children(), *kwargs_spec.children()]):
+        if _holds_mutable_container(sub):
+            found.append((name, start, sub, all(child.is_leaf() for child in sub.children())))
+        start += sub.num_leaves
+    return tuple(found)
+
+
+def _holds_mutable_container(spec):
+    if spec.is_leaf():
+        return False
+    if not issubclass(spec.type, tuple):  # a list, a dict, a dataclass...
+        return True
+    return any(_holds_mutable_container(child) for child in spec.children())
+
+
+class Plans:
+    """A leaf's plans, by index (what graphs name) and by call key."""
+
+    def __init__(self, signature: "Signature"):
+        self.signature = signature
+        self.by_index: dict[int, Plan] = {}
+        self._by_key: dict[Any, Plan] = {}
+        self.positional: dict[int, Plan] = {}  # arity -> eager plan of all-tensor positional calls
+        self._lock = threading.Lock()
+
+    def __getitem__(self, index: int) -> Plan:
+        return self.by_index[index]
+
+    def get(self, index: int) -> Optional[Plan]:
+        return self.by_index.get(index)
+
+    def from_key(self, spec, key: tuple, mode: int, autocast=None, grad: bool = False) -> Plan:
+        """The plan for a call key (see "call keys" above). Compiled plans also
+        key on the autocast state and the grad mode they were traced under."""
+        full_key = (mode, spec, key, autocast, grad)
+        plan = self._by_key.get(full_key)
+        if plan is not None:
+            return plan
+        with self._lock:
+            plan = self._by_key.get(full_key)
+            if plan is not None:
+                return plan
+            mutated_positions = self.signature.mutated_positions(len(key), spec)
+            template, slots, mutated = [], [], []
+            for pos, k in enumerate(key):
+                if k is TENSOR:
+                    if pos in mutated_positions:
+                        mutated.append(pos)
+                    else:
+                        slots.append(Slot(IN_TENSOR, pos))
+                elif type(k) is tuple and len(k) == 2 and k[0] is MODULE_KEY:
+                    kind = IN_MODULE_MUTABLE_BUFFERS if pos in mutated_positions else IN_MODULE
+                    slots.append(Slot(kind, pos, ModuleStructure(*k[1])))
+                elif type(k) is str and k in _CODING_OF_INT:
+                    slots.append(Slot(IN_INT, pos, coding=_CODING_OF_INT[k]))
+                elif k is NDARRAY:
+                    slots.append(Slot(IN_NDARRAY, pos))
+                elif k is FLOAT:
+                    slots.append(Slot(IN_FLOAT, pos))
+                else:
+                    template.append(k)
+                    continue
+                template.append(None)
+            positional = (
+                len(slots) == len(key) and all(slot.kind == IN_TENSOR for slot in slots)
+                and spec == pytree.tree_structure((tuple(range(len(key))), {}))
+            )
+            index = _fingerprint(full_key)
+            while index in self.by_index:  # two call structures that print alike
+                index = (index + 1) & _FINGERPRINT_MASK
+            plan = Plan(index, spec, tuple(template), tuple(slots), tuple(mutated), mode, positional, autocast, grad)
+            self.by_index[index] = plan
+            self._by_key[full_key] = plan
+            return plan
+
+
+# ----------------------------------------------------------- mutates_args
+_MUTATED_STEP = re.compile(r"\.([A-Za-z_]\w*)|\[(-?\d+)\]|\[('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\]")
+
+
+def parse_mutated_expression(leaf_name, expr):
+    """``'buf'``, ``'state["key"]'``, ``'buffers[0]'``, ``'model.running_mean'``
+    (the expressions PyTorch's built-in leaf_function takes) -> (parameter,
+    steps), each step ("attr", name) or ("item", key)."""
+    root = re.match(r"[A-Za-z_]\w*", expr)
+    steps, pos = [], root.end() if root else 0
+    while root and pos < len(expr):
+        m = _MUTATED_STEP.match(expr, pos)
+        if m is None:
+            break
+        attr, index, quoted = m.groups()
+        steps.append(("attr", attr) if attr else ("item", int(index) if index is not None else ast.literal_eval(quoted)))
+        pos = m.end()
+    if root is None or pos != len(expr):
+        raise LeafFunctionError(
+            f"torchleaf: leaf function '{leaf_name}' declares mutates_args entry {expr!r}, which "
+            f"is not a parameter name or an expression into one ('buf', 'buffers[0]', "
+            f"'state[\"key\"]', 'model.running_mean')."
+        )
+    return root.group(0), tuple(steps)
+
+
+def _follow_mutated_path(leaf_name, value, path, flat_markers):
+    """What a mutates_args expression names in a call's arguments, whose
+    flat leaves are markers. A path that goes on into a flat leaf (a module's
+    buffer: 'model.running_mean') names that leaf: a module named in
+    mutates_args may change any of its buffers."""
+    for kind, key in path:
+        if any(value is m for m in flat_markers):
+            return value
+        try:
+            if kind == "item" and isinstance(value, dict) and key not in value:
+                raise KeyError(key)  # (a defaultdict would make the entry)
+            value = getattr(value, key) if kind == "attr" else value[key]
+        except (AttributeError, LookupError, TypeError):
+            step = f".{key}" if kind == "attr" else f"[{key!r}]"
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{leaf_name}' declares a mutates_args expression whose "
+                f"step {step} does not exist in this call's arguments (a {type(value).__name__})."
+            ) from None
+    return value
+
+
+class Signature:
+    """A leaf function's parameters, its declared mutations, and the names
+    of its arguments in error messages."""
+
+    def __init__(self, name: str, fn, mutates_args):
+        self.name = name
+        self.parameters: Any  # an inspect.Signature, or None (some builtins have none)
+        try:
+            self.parameters = inspect.signature(fn)
+        except (TypeError, ValueError):  # some builtins have none
+            self.parameters = None
+        if isinstance(mutates_args, str):
+            mutates_args = (mutates_args,)
+        self.mutates_args = frozenset(mutates_args)
+        if self.mutates_args and self.parameters is None:
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{name}' declares mutates_args, but Python cannot "
+                f"tell its parameters (inspect.signature fails); wrap it in a def with named "
+                f"parameters."
+            )
+        # name -> (parameter, path): a parameter, or an expression into one.
+        self.mutated_paths = {e: parse_mutated_expression(name, e) for e in self.mutates_args}
+        unknown = {root for root, _ in self.mutated_paths.values()} - set(
+            self.parameters.parameters if self.parameters else ()
+        )
+        if unknown:
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{name}' declares mutates_args={sorted(unknown)}, "
+                f"which {'is not a parameter' if len(unknown) == 1 else 'are not parameters'}; "
+                f"its parameters are {list(self.parameters.parameters)}."
+            )
+
+    def mutated_positions(self, n: int, spec) -> frozenset:
+        """The flat positions of a call's arguments that mutates_args names."""
+        if not self.mutates_args:
+            return frozenset()
+        marked = [object() for _ in range(n)]
+        args, kwargs = pytree.tree_unflatten(marked, spec)
+        bound = self.parameters.bind(*args, **kwargs)
+        ids: set[int] = set()
+        for root, path in self.mutated_paths.values():
+            if root in bound.arguments:
+                value = _follow_mutated_path(self.name, bound.arguments[root], path, marked)
+                ids.update(id(x) for x in pytree.tree_leaves(value))
+        return frozenset(i for i, m in enumerate(marked) if id(m) in ids)
+
+    def argument_at(self, spec, pos: int) -> str:
+        """The parameter whose value holds flat argument ``pos`` (error messages)."""
+        path = self.argument_path(spec, pos)
+        return f"flat argument {pos}" if path is None else repr(path)
+
+    def parameter_name(self, key):
+        """The name of positional argument `key` (an int), or keyword `key`;
+        None for one the signature does not name (*args, no signature)."""
+        if type(key) is not int:
+            return key
+        params = list(getattr(self.parameters, "parameters", {}).values())
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        if key < len(params) and params[key].kind in positional:
+            return params[key].name
+        return None
+
+    def argument_path(self, spec, pos: int):
+        """'state["a"]': the parameter whose value holds flat argument ``pos``
+        and where in it; None where the call does not match the signature."""
+        marked = [object() for _ in range(spec.num_leaves)]
+        args, kwargs = pytree.tree_unflatten(marked, spec)
+        try:
+            bound = self.parameters.bind(*args, **kwargs).arguments
+        except (AttributeError, TypeError):  # no signature, or the call does not match it
+            bound = {}
+        for name, value in bound.items():
+            for path, x in pytree.tree_flatten_with_path(value)[0]:
+                if x is marked[pos]:
+                    return name + pytree.keystr(path)
+        return None
