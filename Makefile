@@ -8,7 +8,10 @@ DEB_PACKAGES := libgtest-dev libbenchmark-dev
 PY_DEPS := torch==2.13.0 "pybind11>=2.12" "scikit-build-core>=0.10" ninja cmake \
            "pytest>=8" "pytest-randomly>=3.15" "hypothesis>=6" numpy matplotlib
 
-.PHONY: all deps build test test-cpp test-python test-wheel demo bench bench-quick sanitize clean
+LINT_DEPS := "ruff==0.17.6" "mypy==2.4.1"
+
+.PHONY: all deps build test test-cpp test-python test-wheel demo bench bench-quick sanitize clean \
+        check check-cpp check-python lint lint-deps
 
 all: build
 
@@ -42,6 +45,26 @@ test-python:
 	echo "Using --randomly-seed=$$seed"; \
 	TORCHLEAF_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m pytest tests/python benchmarks/test_quick.py -q \
 	  -p randomly --randomly-seed=$$seed
+
+# The quick loop (a few minutes): the C++ suite without the packaging tests,
+# the Python tests not marked slow (no Inductor compile, subprocess, wheel or
+# distributed run; `-m slow` selects those), lint and types. `make test` stays
+# the full suite.
+check: build lint check-cpp check-python
+
+check-cpp:
+	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 600 -LE slow
+
+check-python:
+	TORCHLEAF_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m pytest tests/python -q -m "not slow" -p no:randomly
+
+lint-deps:
+	@$(PYTHON) -c "import ruff, mypy" 2>/dev/null || $(PIP) $(LINT_DEPS)
+
+# ruff (lint, import order) over the Python trees, mypy over the package.
+lint: lint-deps
+	$(PYTHON) -m ruff check python tests/python benchmarks examples
+	$(PYTHON) -m mypy
 
 demo: build
 	$(PYTHON) examples/demo.py
