@@ -42,14 +42,44 @@ cmake_prefix_path = _os.path.join(_os.path.dirname(_C.__file__), "share", "cmake
 
 
 def live_states() -> int:
-    """Number of captured autograd states alive now: one per differentiable
-    leaf call whose autograd graph has not been released."""
+    """Count the captured autograd states alive now.
+
+    A differentiable leaf call keeps the autograd graph its body recorded
+    until backward no longer needs it (the graph is released, or the call's
+    outputs die). Use it in tests to check that nothing leaks.
+
+    Returns:
+        The number of states alive in this process (C++ and Python leaves).
+
+    Example:
+        >>> y = leaf(x.requires_grad_())   # doctest: +SKIP
+        >>> torchleaf.live_states()        # doctest: +SKIP
+        1
+        >>> del y; torchleaf.live_states() # doctest: +SKIP
+        0
+    """
     return _C.live_states()
 
 
 def load_library(path: str) -> None:
-    """Load a shared library that defines C++ leaf functions (like
-    ``torch.ops.load_library``) and make them traceable from Python."""
+    """Load a shared library that defines C++ leaf functions.
+
+    Like ``torch.ops.load_library``, and then registers the fakes and ordered
+    effects that make the library's leaves traceable from Python (their
+    named operators ``torch.ops.<namespace>.<name>`` work under
+    ``torch.compile`` and ``torch.export``).
+
+    Args:
+        path: The shared library (``.so``) built against libtorchleaf.
+
+    Raises:
+        OSError: The library cannot be loaded.
+        LeafFunctionError: A leaf of the library has the name of a live leaf.
+
+    Example:
+        >>> torchleaf.load_library("build/libmyleaves.so")  # doctest: +SKIP
+        >>> torch.ops.mylib.gate(x, w)                       # doctest: +SKIP
+    """
     _torch.ops.load_library(path)
     sync_cpp_leaves()
 

@@ -6,7 +6,15 @@ import functools
 class LeafFunctionError(RuntimeError):
     """Raised by torchleaf when a leaf function is defined or used wrongly.
 
-    The message names the leaf function and says how to fix the problem.
+    The message names the leaf function, what was wrong (and which argument)
+    and how to fix it; docs/errors.md lists each error with its cause. It is
+    a ``RuntimeError``, so code that catches PyTorch's errors catches it too.
+
+    Example:
+        >>> try:                                           # doctest: +SKIP
+        ...     torch.compile(model, fullgraph=True)(x)
+        ... except torchleaf.LeafFunctionError as e:
+        ...     print(e)  # "torchleaf: leaf function 'gate' ..."
     """
 
 

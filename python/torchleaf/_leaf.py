@@ -70,10 +70,23 @@ _compiled_call = _dynamo.compiled_call
 class LeafFunction:
     """A function that tracers treat as one opaque operator call.
 
-    Created by :func:`leaf_function`. Calling it runs the real function on
-    real tensors (eagerly, or inside compiled programs) with autograd replayed
-    from the function's own graph; tracers run the fake implementation set by
-    :meth:`register_fake` instead.
+    Created by :func:`leaf_function`; not constructed directly. Calling it
+    runs the real function on real tensors (eagerly, or inside compiled
+    programs) with autograd from the function's own recorded graph; tracers
+    (``torch.compile``, ``make_fx``, ``torch.export``) run the fake
+    implementation set by :meth:`register_fake` instead and record one
+    operator call. It behaves like the function it wraps: it keeps its name
+    and docstring, works as a method, and is copied and pickled by reference.
+
+    Example:
+        >>> @torchleaf.leaf_function
+        ... def scale(x, k):
+        ...     return x * k
+        >>> @scale.register_fake
+        ... def _(x, k):
+        ...     return torch.empty_like(x)
+        >>> scale(torch.ones(2), 3.0)
+        tensor([3., 3.])
     """
 
     def __init__(self, fn, mutates_args=(), validate_outputs=None, check_escaped_gradients=None, name=None):
@@ -115,33 +128,70 @@ class LeafFunction:
         _functorch.LEAVES[self._id] = self
 
     def register_vmap(self, rule):
-        """Set the leaf's batching rule for ``torch.func.vmap``, with the
-        convention of ``torch.library.register_vmap``: ``rule(info, in_dims,
-        *args, **kwargs) -> (outputs, out_dims)``, where ``in_dims`` has one
-        entry per positional argument (the batch dimension of each tensor, or
-        None), ``info.batch_size`` is the batch size, and ``out_dims`` gives
-        each output's batch dimension (or one for all). Without a rule a
-        leaf runs once per sample and its outputs are stacked. The rule is
-        used where no gradient transform runs inside the vmap (``vmap(f)``,
-        ``grad(vmap(f))``); ``vmap(grad(f))`` runs the per-sample loop,
-        whose backward replays each sample's graph."""
+        """Set the leaf's batching rule for ``torch.func.vmap``.
+
+        Without a rule a leaf runs once per sample under vmap and its outputs
+        are stacked. The rule is used where no gradient transform runs inside
+        the vmap (``vmap(f)``, ``grad(vmap(f))``); ``vmap(grad(f))`` runs the
+        per-sample loop, whose backward replays each sample's graph.
+
+        Args:
+            rule: ``rule(info, in_dims, *args, **kwargs) -> (outputs,
+                out_dims)``, the convention of ``torch.library.register_vmap``:
+                ``in_dims`` has one entry per positional argument (the batch
+                dimension of each tensor, or None), ``info.batch_size`` is the
+                batch size, and ``out_dims`` gives each output's batch
+                dimension (or one for all).
+
+        Returns:
+            ``rule``, so that this can be used as a decorator.
+
+        Example:
+            >>> @scale.register_vmap                      # doctest: +SKIP
+            ... def _(info, in_dims, x, k):
+            ...     return scale(x, k), in_dims[0]
+        """
         _functorch.set_vmap_rule(self, rule)
         return rule
 
     def register_fake(self, fake):
-        """Set the fake implementation: same signature, returns outputs with the
-        real function's structure, shapes, dtypes and devices (use
-        ``torch.empty``/``new_empty``; data-dependent sizes may come from
-        ``nonzero()`` or ``torch.library.get_ctx().new_dynamic_size()``).
-        Returns the leaf, as PyTorch's built-in ``leaf_function`` does: a fake
-        decorated under the leaf's own name (``@f.register_fake`` over
-        ``def f``) keeps ``f`` the leaf."""
+        """Set the fake implementation, which tracers run instead of the function.
+
+        The fake runs on fake tensors (no data) while a graph is traced; it
+        must return outputs with the real function's structure, shapes,
+        dtypes and devices. Eager calls do not need one.
+
+        Args:
+            fake: A callable with the leaf's signature. Build outputs with
+                ``torch.empty``/``new_empty``/``empty_like``; a data-dependent
+                size may come from ``nonzero()`` or
+                ``torch.library.get_ctx().new_dynamic_size()``.
+
+        Returns:
+            The leaf itself, as PyTorch's built-in ``leaf_function`` does: a
+            fake decorated under the leaf's own name (``@f.register_fake``
+            over ``def f``) keeps ``f`` the leaf.
+
+        Example:
+            >>> @scale.register_fake                     # doctest: +SKIP
+            ... def _(x, k):
+            ...     return torch.empty_like(x)
+        """
         self._fake = fake
         return self
 
     def register_multi_grad_hook(self, hook):
-        """Not supported: a clear error where PyTorch's built-in leaf_function
-        takes a hook run with the gradients of the call's inputs."""
+        """Not supported: a clear error, where PyTorch's built-in leaf_function
+        takes a hook run with the gradients of the call's inputs.
+
+        Args:
+            hook: The hook that would have been registered.
+
+        Raises:
+            LeafFunctionError: Always; the message says what to use instead
+                (``torch.autograd.graph.register_multi_grad_hook`` on the
+                inputs, outside a compiled region).
+        """
         raise LeafFunctionError(
             f"torchleaf: leaf function '{self._name}' cannot take a multi-grad hook: "
             f"register_multi_grad_hook of PyTorch's built-in leaf_function is not supported. Call "
@@ -323,25 +373,53 @@ class _BoundLeaf:
 
 
 def leaf_function(fn=None, *, mutates_args=(), validate_outputs=None, check_escaped_gradients=None, name=None):
-    """Make ``fn`` a leaf function: opaque to torch.compile, make_fx, AOTAutograd
-    and export; run for real on every call; differentiable without a
-    hand-written backward.
+    """Make ``fn`` a leaf function.
 
-    Use as ``@leaf_function`` or ``@leaf_function(mutates_args={"buf"})``, then
-    give it a fake implementation with ``@fn.register_fake``.
+    A leaf function is opaque to ``torch.compile``, ``make_fx``, AOTAutograd,
+    Inductor and ``torch.export`` (one operator call in every graph, no graph
+    break), runs for real on every call, and is differentiable without a
+    hand-written backward. Use as ``@leaf_function`` or
+    ``@leaf_function(mutates_args={"buf"})``, then give it a fake
+    implementation with ``@fn.register_fake`` (needed to trace it, not for
+    eager calls).
 
     Args:
-        mutates_args: names of parameters whose tensors the function mutates
+        fn: The function (or method). May take tensors, modules, numbers,
+            numpy arrays, objects and pytrees of them, and return tensors,
+            ints and constants in tuples, lists, dicts and other pytrees.
+        mutates_args: Names of parameters whose tensors the function mutates
             in place (they must not require grad), or expressions into them
             as PyTorch's built-in leaf_function takes: ``"buffers[0]"``,
             ``'state["key"]'``, ``"model.running_mean"`` (a path into a module
             declares its buffers).
-        validate_outputs, check_escaped_gradients: per-leaf overrides of the
-            flags in :mod:`torchleaf.config`.
+        validate_outputs: Per-leaf override of
+            ``torchleaf.config.validate_outputs`` (None: the global flag).
+        check_escaped_gradients: Per-leaf override of
+            ``torchleaf.config.check_escaped_gradients`` (None: the global flag).
         name: ``"namespace::name"``: the leaf is also the operator
             ``torch.ops.namespace.name``, and ``torch.export`` records its
             calls as that operator; a process that loads the exported program
             must import the module that defines it first.
+
+    Returns:
+        A :class:`LeafFunction` wrapping ``fn`` (or, called with keywords
+        only, a decorator that makes one).
+
+    Raises:
+        LeafFunctionError: ``fn`` is not callable or is a class, ``name`` is
+            not ``"namespace::name"`` or is taken by a live leaf, or a
+            ``mutates_args`` entry names no parameter.
+
+    Example:
+        >>> @torchleaf.leaf_function
+        ... def gate(h, head):
+        ...     scores = head(h)
+        ...     if scores.abs().max() > 10:      # data-dependent: fine
+        ...         print("large scores")
+        ...     return scores.softmax(-1)
+        >>> @gate.register_fake
+        ... def _(h, head):
+        ...     return h.new_empty(h.shape[0], head.out_features)
     """
 
     def wrap(f):

@@ -210,8 +210,17 @@ def _register_named(name, fake, mutating):
 
 
 def sync_cpp_leaves():
-    """Register fakes and effects for C++ leaves defined since the last sync
-    (call after loading a library that defines leaves)."""
+    """Make C++ leaves defined since the last sync traceable from Python.
+
+    Registers each new C++ leaf's fake and ordered effect with PyTorch's
+    Python compile stack. :func:`torchleaf.load_library` calls it; call it
+    yourself after loading a library some other way (``ctypes``,
+    ``torch.ops.load_library``).
+
+    Example:
+        >>> torch.ops.load_library("build/libmyleaves.so")  # doctest: +SKIP
+        >>> torchleaf.sync_cpp_leaves()                     # doctest: +SKIP
+    """
     for leaf_id, name, mutable in _C.named_leaves():
 
         def fake(inputs, mutated=(), _id=leaf_id):

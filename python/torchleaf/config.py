@@ -1,8 +1,21 @@
 """Process-wide switches, stored in the C++ core (so C++ leaves see them too).
 
-    torchleaf.config.validate_outputs = True
-    with torchleaf.config.patch(check_escaped_gradients=False):
-        ...
+A leaf may override either per leaf (``leaf_function(validate_outputs=...)``,
+``define_leaf``'s ``Config`` in C++).
+
+Attributes:
+    validate_outputs (bool): Compare each real call's outputs with the fake's
+        (structure, shape, dtype, device) on every call. Off by default: it
+        runs the fake a second time. Compiled calls always check what their
+        graph relies on.
+    check_escaped_gradients (bool): Fail when the real function's autograd
+        graph reaches tensors that require grad but are not inputs (closures,
+        globals), whose gradients would be lost. On by default.
+
+Example:
+    >>> torchleaf.config.validate_outputs = True                   # doctest: +SKIP
+    >>> with torchleaf.config.patch(check_escaped_gradients=False): # doctest: +SKIP
+    ...     y = leaf(x)
 """
 
 import contextlib
@@ -39,7 +52,22 @@ class _ConfigModule(types.ModuleType):
 
 @contextlib.contextmanager
 def patch(**flags):
-    """Set flags for the duration of a ``with`` block, then restore them."""
+    """Set flags for the duration of a ``with`` block, then restore them.
+
+    Args:
+        **flags: ``validate_outputs`` and/or ``check_escaped_gradients``,
+            each a bool.
+
+    Yields:
+        Nothing: the flags are set inside the block.
+
+    Raises:
+        AttributeError: A name that is not a flag.
+
+    Example:
+        >>> with torchleaf.config.patch(validate_outputs=True):  # doctest: +SKIP
+        ...     y = leaf(x)
+    """
     unknown = set(flags) - set(_FLAGS)
     if unknown:
         raise AttributeError(f"torchleaf.config has no flag(s) {sorted(unknown)}; flags: {sorted(_FLAGS)}")
