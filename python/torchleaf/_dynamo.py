@@ -21,7 +21,7 @@ from . import _carriers as carriers
 from . import _export
 from ._errors import LeafFunctionError
 from ._modules import HANDLE_ATTR, ModuleHandle, ModuleStructure, module_state, sight_module
-from ._outputs import traced_result
+from ._outputs import traced_output, traced_result
 from ._runner import autocast_state
 from ._signature import (
     COMPILED,
@@ -328,7 +328,8 @@ def compiled_call(leaf, args, kwargs):
                 outputs = _CALL(leaf_id, plan_index, inputs)
                 if stores_token:
                     _ORDER_TOKEN = outputs[-1]
-                return traced_result(leaf, plan_index, outputs)
+                traced = traced_output(leaf, plan_index)
+                return outputs[0] if traced is None else traced_result(leaf, traced, outputs)
     if _is_exporting():
         return _export.exported_call(leaf, *pytree.tree_flatten((args, kwargs)))
     flat: list = []
@@ -417,4 +418,5 @@ def compiled_call(leaf, args, kwargs):
         outputs = _CALL(leaf_id, plan_index, inputs)
     if stores_token:
         _ORDER_TOKEN = outputs[-1]
-    return traced_result(leaf, plan_index, outputs)
+    traced = traced_output(leaf, plan_index)
+    return outputs[0] if traced is None else traced_result(leaf, traced, outputs)

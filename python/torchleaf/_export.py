@@ -16,7 +16,7 @@ import torch
 
 from . import _C
 from ._errors import LeafFunctionError
-from ._outputs import traced_result
+from ._outputs import traced_output, traced_result
 from ._signature import EXPORTED, IN_TENSOR, MODULE_ARG, TENSOR, TENSOR_ARG, TRACED, classify
 from ._torch_private import assume_constant_result, inductor_is_lowering, pytree
 
@@ -146,4 +146,5 @@ def exported_call(leaf, flat, spec):
         outputs = leaf._named_op(inputs, [flat[pos] for pos in mutated_positions], call)
     else:
         outputs = leaf._named_op(inputs, call)
-    return traced_result(leaf, plan_index, outputs)
+    traced = traced_output(leaf, plan_index)
+    return outputs[0] if traced is None else traced_result(leaf, traced, outputs)

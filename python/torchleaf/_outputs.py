@@ -409,26 +409,28 @@ def check_graph_constants(leaf, traced, real, from_real=False):
 
 
 @assume_constant_result
-def _traced_output(leaf, plan_index):
+def traced_output(leaf, plan_index):
     """(output description, checks) of a traced call, where `checks` is what
     traced code checks of its real outputs (output_checks, read right after
     this trace ran the fake); None for a single tensor with static sizes,
-    which traced code returns as it is (no guards on decode or the checks)."""
+    which traced code returns as it is (no guards on decode or the checks).
+    A constant of the graph: called by Dynamo at trace time."""
     plan = leaf._plans[plan_index]
     if plan.out is SINGLE and not plan.out_checks:
         return None
     return plan.out, plan.out_checks
 
 
-
-def traced_result(leaf, plan_index, outputs):
+def traced_result(leaf, traced, outputs):
     """What a compiled or exported call returns, from its operator's outputs
-    (a compiled call's order token last, which no description names): the
-    traced description's outputs, checked where the graph takes ints or sizes
-    from the fake (check_traced_outputs). Traced by Dynamo."""
-    traced = _traced_output(leaf, plan_index)
-    if traced is None:
-        return outputs[0]
+    (a compiled call's order token last, which no description names) and
+    ``traced_output``'s answer: the traced description's outputs, checked
+    where the graph takes ints or sizes from the fake (check_traced_outputs).
+    Traced by Dynamo.
+
+    Callers call ``traced_output`` themselves, and this only where it is not
+    None: Dynamo guards every global a traced function reads on each step,
+    and the common single tensor then reads none of this module's."""
     desc, checks = traced
     if checks:
         check_traced_outputs(leaf, checks, outputs)
