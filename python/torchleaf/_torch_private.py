@@ -86,9 +86,17 @@ register_effectful_op = _register_effectful_op
 EffectType = _EffectType
 
 
+#: Whether an OpOverload hashes by its ``_op`` (through 2.13), so that
+#: replacing ``_op`` changes its hash: set_op_overload_entry must then run
+#: before anything hashes the overload (has_side_effect's registry does).
+#: From 2.14 it hashes by the dispatcher handle it was made with.
+OP_OVERLOAD_HASHES_BY_OP: bool = TORCH_VERSION < (2, 14)
+
+
 def set_op_overload_entry(overload: Any, make_entry: Callable[[Any], Any]) -> None:
-    """Replace the C++ callable an OpOverload calls (its ``_op``) by
-    ``make_entry(current)``. Must run before anything hashes the overload."""
+    """Replace the C++ callable an OpOverload calls (its ``_op``; every
+    release calls it from ``__call__``) by ``make_entry(current)``. Where
+    OP_OVERLOAD_HASHES_BY_OP, run it before anything hashes the overload."""
     overload._op = make_entry(overload._op)
 
 
@@ -157,6 +165,7 @@ def inductor() -> types.SimpleNamespace:
 __all__ = [
     "CHECKPOINT_PACK_HOOKS",
     "EffectType",
+    "OP_OVERLOAD_HASHES_BY_OP",
     "TORCH_VERSION",
     "assume_constant_result",
     "autocast_supported_devices",

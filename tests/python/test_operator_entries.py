@@ -10,6 +10,7 @@ from torch.overrides import TorchFunctionMode
 import torchleaf
 from _graphs import compiled_call_site, order_token
 from torchleaf import _C
+from torchleaf._torch_private import OP_OVERLOAD_HASHES_BY_OP
 
 _NAMES = ("call", "forward", "backward")
 
@@ -53,7 +54,10 @@ def test_the_operators_call_through_the_direct_entries():
         # one (has_side_effect's registry found it: see test_compile's
         # dead-code tests).
         assert type(overload._op.__self__).__name__ == "builtin_function_or_method"
-        assert hash(overload) == hash(overload._op)
+        # (Through 2.13 an overload hashes by its `_op`: the entry had to be
+        # replaced before anything hashed it.)
+        if OP_OVERLOAD_HASHES_BY_OP:
+            assert hash(overload) == hash(overload._op)
 
 
 def test_direct_and_pytorch_entries_agree_on_values_and_gradients(leaf_call):

@@ -164,9 +164,9 @@ def test_backward_stashes_its_python_context_where_compiled_backwards_enter_it()
     """torchleaf's replay sets aside the thread-local object "context" that
     PyTorch's backward stashes and AOTAutograd's compiled backward enters
     (csrc/capture.cpp, PythonContextSetAside): a replay inside a compiled
-    backward that reaches another compiled backward would enter it twice."""
-    from torch._functorch._aot_autograd import runtime_wrappers
-
+    backward that reaches another compiled backward would enter it twice
+    (test_training_stack.py::test_body_calls_a_compiled_function fails with
+    "cannot enter context" if the set-aside stops working)."""
     seen = []
 
     def hook(grad):
@@ -181,8 +181,6 @@ def test_backward_stashes_its_python_context_where_compiled_backwards_enter_it()
 
     assert len(seen) == 1 and isinstance(seen[0], contextvars.Context)
     assert not torch._C._is_key_in_tls("context")  # erased after the backward
-    source = inspect.getsource(runtime_wrappers._codegen_compiled_backward)
-    assert "_get_obj_in_tls('context')" in source and "_cc.run" in source
 
 
 def test_autocast_state_queries():
@@ -229,10 +227,15 @@ def test_an_op_overload_calls_and_hashes_through_its_op_attribute():
         calls.append(args)
         return replaced(*args, **kwargs)
 
+    before = hash(op)
     replaced, op._op = op._op, entry
     assert op(torch.ones(2)).tolist() == [2.0, 2.0]
     assert len(calls) == 1
-    assert hash(op) == hash(entry)
+    # The release switch torchleaf keeps: whether the hash follows `_op`.
+    from torchleaf._torch_private import OP_OVERLOAD_HASHES_BY_OP
+
+    assert (hash(op) == hash(entry)) is OP_OVERLOAD_HASHES_BY_OP
+    assert (hash(op) == before) is not OP_OVERLOAD_HASHES_BY_OP
     lib._destroy()
 
 
@@ -240,9 +243,9 @@ def test_an_op_overload_calls_and_hashes_through_its_op_attribute():
 def test_inductor_lowers_capturing_operators_through_the_wrapped_fallback():
     """torchleaf wraps the fallback lowering Inductor makes for forward and
     adds each call's input buffers to V.graph.never_reuse_buffers
-    (_registration._keep_captured_inputs_in_inductor). This checks the pieces
-    it uses and that the generated code passes the forward's input buffer to
-    no later kernel."""
+    (_inductor.keep_captured_inputs). This checks the pieces it uses and that
+    the generated code passes the forward's input buffer to no later kernel
+    (test_seam.py's Inductor tests check the gradients)."""
     from torch._inductor import lowering
     from torch._inductor.graph import GraphLowering
     from torch._inductor.utils import run_and_get_code
@@ -252,10 +255,8 @@ def test_inductor_lowers_capturing_operators_through_the_wrapped_fallback():
 
     assert callable(lowering.make_fallback) and callable(lowering.tag_to_layout_constraint)
     assert callable(get_layout_constraint_tag)
-    assert "never_reuse_buffers" in inspect.getsource(GraphLowering.__init__)
-    # _copy_inputs_written_later: the FX node being lowered, the graph module
-    # it belongs to, and aten.clone's lowering.
-    assert "self.current_node" in inspect.getsource(GraphLowering.__init__)
+    # _copy_inputs_written_later: the graph module the FX node being lowered
+    # belongs to, and aten.clone's lowering.
     assert issubclass(GraphLowering, torch.fx.Interpreter)  # .module: the graph's GraphModule
     assert torch.ops.aten.clone.default in lowering.lowerings
 
@@ -276,8 +277,10 @@ def test_rng_state_wrappers_find_a_capturing_operators_device():
     nondeterministic_seeded in run_and_save_rng_state / run_with_rng_state,
     which pick the generator with rng_prims.get_device (a module global their
     backend-select kernels look up when called); torchleaf wraps it to look
-    in list arguments (_registration._let_rng_state_wrappers_find_listed_tensors),
-    and Inductor's lowerings of both wrappers."""
+    in list arguments (_ops._let_rng_state_wrappers_find_listed_tensors),
+    and Inductor's lowerings of both wrappers
+    (test_training_stack.py::test_checkpointing_recomputes_a_random_body_with_the_forwards_numbers
+    checks the recomputation's random numbers)."""
     from torch._inductor import lowering
     from torch._prims import rng_prims
 
@@ -289,8 +292,6 @@ def test_rng_state_wrappers_find_a_capturing_operators_device():
     x = torch.ones(2)
     assert rng_prims.get_device((1, 2, [x], [0]), {}) == "cpu"
     assert rng_prims.get_device((x,), {}) == "cpu"
-    source = inspect.getsource(rng_prims)
-    assert source.count("device = get_device(args, kwargs)") >= 2
     assert rng_prims.run_and_save_rng_state in lowering.lowerings
     assert rng_prims.run_with_rng_state in lowering.lowerings
     _inductor.keep_captured_inputs()
@@ -301,7 +302,7 @@ def test_rng_state_wrappers_find_a_capturing_operators_device():
 
 def test_inductor_skips_the_size_asserts_torchleaf_marks():
     """torchleaf drops Inductor's size and stride asserts of the state handle
-    and of the backward operator's gradients (_registration._skip_size_check):
+    and of the backward operator's gradients (_inductor._skip_size_check):
     it sets MultiOutput.skip_size_stride_alignment_checks on those outputs,
     and removes the handle's entry from the wrapper's _pending_input_asserts
     after PythonWrapperCodegen.codegen_input_size_asserts made them.
@@ -313,11 +314,6 @@ def test_inductor_skips_the_size_asserts_torchleaf_marks():
     from torchleaf import _inductor
 
     assert "skip_size_stride_alignment_checks" in inspect.signature(ir.MultiOutput.__init__).parameters
-    assert "if not self.skip_size_stride_alignment_checks" in inspect.getsource(ir.MultiOutput.codegen)
-    assert "self._pending_input_asserts[name]" in inspect.getsource(
-        inspect.unwrap(wrapper.PythonWrapperCodegen.codegen_input_size_asserts)
-    )
-    assert "_pending_input_asserts" in inspect.getsource(wrapper.PythonWrapperCodegen.codegen_deferred_input_asserts)
     _inductor.keep_captured_inputs()
     assert hasattr(wrapper.PythonWrapperCodegen.codegen_input_size_asserts, "__wrapped__")
 
