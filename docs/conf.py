@@ -76,6 +76,18 @@ sphinx_gallery_conf = {
 }
 
 
+def _title(message, when):
+    """A section title for one error: the start of its message (the text of
+    its first `code` span), else of the case's description."""
+    m = re.match(r"`([^`]*)`", message)
+    text = m.group(1) if m else re.sub(r"`", "", when)
+    text = text.split("\\n")[0]  # a message's literal "\n"
+    text = re.split(r"(?<=[.:;])\s|\s\(", text)[0].rstrip(".:;")
+    if len(text) > 90:
+        text = text[:90].rsplit(" ", 1)[0] + " ..."
+    return re.sub(r"([\\*_\[\]<>#`|])", r"\\\1", text)
+
+
 def _troubleshooting_from_errors(app):
     """docs/_generated/errors_entries.md: one section per row of docs/errors.md
     (its case, when it happens, and the message, which says how to fix it),
@@ -112,9 +124,9 @@ def _troubleshooting_from_errors(app):
         if len(cells) != 3:
             raise RuntimeError(f"docs/errors.md: a table row without 3 cells: {row[:80]}")
         case, when, message = cells
-        title = re.sub(r"\s*\(.*", "", case) or case
-        out += [f"### {title}", "", f"**Where it is tested:** {case}", "",
-                f"**When:** {when}", "", f"**What torchleaf says:** {message}", ""]
+        out += [f"### {_title(message, when)}", "", f"**When:** {when}", "",
+                f"**Message** (it says how to fix the problem): {message}", "",
+                f"**Test case:** {case}", ""]
     os.makedirs(os.path.join(HERE, "_generated"), exist_ok=True)
     body = "\n".join(out) + "\n" + "\n".join(rest).replace("\n## ", "\n## ") + "\n"
     path = os.path.join(HERE, "_generated", "errors_entries.md")

@@ -101,15 +101,44 @@ def show_graph(gm, example_inputs):
 torch.compile(loss_fn, backend=show_graph, fullgraph=True)(x, w1)
 
 # %%
-# ``make_fx`` traces down to ATen operators; the leaf stays one opaque call
-# (``torchleaf.forward``), which is what AOTAutograd and Inductor receive.
+# ``make_fx`` traces down to ATen operators, which is what AOTAutograd and
+# Inductor receive. Traced through a whole training step (loss and gradient),
+# the leaf is two opaque calls: ``torchleaf.forward`` runs the body and keeps
+# its autograd graph, ``torchleaf.backward`` replays that graph; the handle
+# between them (``getitem_2``) names the call's captured state. Everything
+# else is PyTorch's own operators, which the compilers optimize as usual.
 
 from torch.fx.experimental.proxy_tensor import make_fx
 
-gm = make_fx(loss_fn)(torch.randn(4, 3), torch.randn(3, 2))
-for node in gm.graph.nodes:
-    if node.op == "call_function":
-        print(node.target)
+
+def train_step(x, w):
+    loss = loss_fn(x, w)
+    return loss, torch.autograd.grad(loss, w)[0]
+
+
+gm = make_fx(train_step)(torch.randn(4, 3), torch.randn(3, 2, requires_grad=True))
+print(gm.code.strip())
+
+# %%
+# The same graph as a picture: one box per operator call, the leaf's two in
+# orange.
+
+import matplotlib.pyplot as plt
+
+nodes = [n for n in gm.graph.nodes if n.op == "call_function" and "getitem" not in str(n.target)]
+fig, ax = plt.subplots(figsize=(6, 0.5 * len(nodes) + 0.5))
+for i, node in enumerate(nodes):
+    leaf = "torchleaf" in str(node.target)
+    y = len(nodes) - i
+    ax.text(0.5, y, str(node.target).replace(".default", ""), ha="center", va="center", fontsize=10,
+            bbox=dict(boxstyle="round", fc="#f5a142" if leaf else "#dde6f0", ec="#555"))
+    if i:
+        ax.annotate("", xy=(0.5, y + 0.3), xytext=(0.5, y + 0.7), arrowprops=dict(arrowstyle="->", color="#555"))
+ax.set_xlim(0, 1)
+ax.set_ylim(0.4, len(nodes) + 0.6)
+ax.axis("off")
+ax.set_title("make_fx graph of a training step")
+plt.tight_layout()
 
 # %%
 # What to take away

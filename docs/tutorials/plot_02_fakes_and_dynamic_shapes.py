@@ -10,6 +10,8 @@ inputs, for sizes that depend on the data, and for int outputs, and what
 happens when a fake is wrong.
 """
 
+import textwrap
+
 import torch
 
 import torchleaf
@@ -119,7 +121,7 @@ def _(x):
 try:
     torch.compile(flatten_rows, backend="aot_eager", fullgraph=True)(torch.randn(2, 3))
 except torchleaf.LeafFunctionError as e:
-    print(str(e)[:400])
+    print(textwrap.fill(str(e), 88))
 
 # %%
 # ``torchleaf.config.validate_outputs`` goes further: it runs the fake next to
@@ -130,4 +132,4 @@ with torchleaf.config.patch(validate_outputs=True):
     try:
         flatten_rows(torch.randn(2, 3))
     except torchleaf.LeafFunctionError as e:
-        print(str(e)[:300])
+        print(textwrap.fill(str(e), 88))

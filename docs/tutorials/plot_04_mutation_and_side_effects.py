@@ -9,6 +9,8 @@ every call and in program order, eager and compiled. In-place changes of its
 error, because a compiled graph would not know the tensor changed.
 """
 
+import textwrap
+
 import torch
 from torch import nn
 
@@ -85,7 +87,7 @@ def _(x, buf):
 try:
     sneaky(torch.randn(2), torch.ones(2))
 except torchleaf.LeafFunctionError as e:
-    print(e)
+    print(textwrap.fill(str(e), 88))
 
 # %%
 # Side effects on your own objects
@@ -133,7 +135,7 @@ try:
 
     appends(torch.ones(2), history)
 except torchleaf.LeafFunctionError as e:
-    print(str(e)[:250])
+    print(textwrap.fill(str(e), 88))
 
 # %%
 # Gradients do not flow through in-place changes
@@ -157,4 +159,4 @@ def _(x, acc):
 try:
     accumulate(torch.ones(3, requires_grad=True), torch.zeros(3))
 except torchleaf.LeafFunctionError as e:
-    print(str(e)[:300])
+    print(textwrap.fill(str(e), 88))

@@ -9,6 +9,8 @@ Forward-mode AD (``jvp``, ``jacfwd``, ``hessian``) and second derivatives
 under ``torch.func`` are clear errors.
 """
 
+import textwrap
+
 import torch
 from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
@@ -139,4 +141,4 @@ print("sample 0 matches:", torch.allclose(per_sample_grads["head.weight"][0], ne
 try:
     torch.func.jvp(lambda w: robust(x, w), (w,), (torch.ones_like(w),))
 except torchleaf.LeafFunctionError as e:
-    print(str(e)[:250])
+    print(textwrap.fill(str(e), 88))

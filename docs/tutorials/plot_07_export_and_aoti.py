@@ -13,6 +13,10 @@ no Python at all (``examples/aoti``).
 """
 
 import io
+import json
+import re
+
+import textwrap
 
 import torch
 from torch import nn
@@ -60,14 +64,20 @@ x = torch.randn(3, 4) * 5
 
 batch = torch.export.Dim("batch")
 ep = torch.export.export(net, (x,), dynamic_shapes=({0: batch},))
-print(ep.graph_module.code.strip())
+# (The node's last argument describes the call as JSON; shortened here.)
+print(re.sub(r"'\{\"torchleaf\"[^']*'", "'{...}'", ep.graph_module.code.strip()))
 
 # %%
-# The leaf's node, by itself:
+# The leaf's node records the call: which leaf, the module a loading process
+# must import (here the tutorial's own script), and how its arguments
+# travel. ``check_output_sizes`` checks, when the program runs, that the
+# real output has the sizes the fake promised.
 
 for node in ep.graph.nodes:
     if node.op == "call_function" and "tutorial" in str(node.target):
-        print(node.format_node())
+        call = json.loads(node.args[1])
+        print(node.target, "on", [a.name for a in node.args[0]])
+        print("  leaf:", call["leaf"], "| import:", call["import"], "| arguments:", call["args"])
 
 # %%
 # Run, save and load
@@ -113,7 +123,7 @@ try:
 except Exception as e:  # export wraps torchleaf's error
     while e.__cause__ is not None and not isinstance(e, torchleaf.LeafFunctionError):
         e = e.__cause__
-    print(type(e).__name__, str(e)[:300])
+    print(type(e).__name__ + ":", textwrap.fill(str(e), 88))
 
 # %%
 # AOTInductor, from Python and from C++
