@@ -69,7 +69,9 @@ sphinx_gallery_conf = {
     "download_all_examples": False,
     "remove_config_comments": True,
     "within_subsection_order": "FileNameSortKey",
-    "capture_repr": ("_repr_html_", "__repr__"),
+    # Tutorials print what they show; a bare last expression (such as
+    # torch.manual_seed's generator) is not echoed.
+    "capture_repr": (),
     "show_memory": False,
     "plot_gallery": "True",
     "min_reported_time": 0,
