@@ -65,6 +65,8 @@ sphinx_gallery_conf = {
     "gallery_dirs": ["auto_tutorials"],
     "filename_pattern": r"\.py$",
     "abort_on_example_error": True,
+    # Every build runs every tutorial, changed or not: they test the library.
+    "run_stale_examples": True,
     "only_warn_on_example_error": False,
     "download_all_examples": False,
     "remove_config_comments": True,
