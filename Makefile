@@ -81,6 +81,6 @@ docs: build
 	    subprocess.check_call([sys.executable, '-m', 'pip', 'install', '--disable-pip-version-check', '-q', *deps])"
 	TORCHLEAF_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m sphinx -W --keep-going -q -b html docs $(DOCS_OUT)
 
-# `make test` builds the docs too (about 1.5 minutes here, the tutorials
+# `make test` builds the docs too (about 1 minute here, the tutorials
 # included), so a broken tutorial or reference fails the suite.
 test: docs
