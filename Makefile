@@ -89,3 +89,21 @@ sanitize: deps
 
 clean:
 	rm -rf build
+
+# Documentation: Sphinx + MyST + sphinx-gallery + furo, from pyproject's `docs`
+# extra (installed here without reinstalling torchleaf). Builds build/docs
+# (open build/docs/index.html) with warnings as errors, executing every
+# tutorial in docs/tutorials; a failing tutorial fails the build.
+.PHONY: docs
+DOCS_OUT := build/docs
+docs: build
+	@$(PYTHON) -c "import sphinx, myst_parser, sphinx_gallery, furo" 2>/dev/null || \
+	  $(PYTHON) -c "import subprocess, sys; \
+	    from importlib import import_module as im; tomllib = im('tomllib' if sys.version_info >= (3, 11) else 'pip._vendor.tomli'); \
+	    deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']; \
+	    subprocess.check_call([sys.executable, '-m', 'pip', 'install', '--disable-pip-version-check', '-q', *deps])"
+	TORCHLEAF_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m sphinx -W --keep-going -q -b html docs $(DOCS_OUT)
+
+# `make test` builds the docs too (about 1 minute here, the tutorials
+# included), so a broken tutorial or reference fails the suite.
+test: docs

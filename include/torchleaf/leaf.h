@@ -10,8 +10,25 @@
 
 #include <torchleaf/export.h>
 
+// Defining and calling leaf functions from C++.
+//
+//   auto clip = torchleaf::define_leaf(
+//       "mylib::clip_rows",
+//       [](const torchleaf::TensorList& in) {          // real: anything goes
+//         auto n = in[0].norm(2, 1, /*keepdim=*/true);
+//         return torchleaf::TensorList{n.max().item<double>() > 1 ? in[0] / n : in[0] * 1};
+//       },
+//       [](const torchleaf::TensorList& in) {          // fake: metadata only
+//         return torchleaf::TensorList{at::empty_like(in[0])};
+//       },
+//       torchleaf::LeafOptions().inputs(1));
+//   auto y = clip({x})[0];   // through the dispatcher; autograd works
+//
+// From Python: torchleaf.load_library(path), then torch.ops.mylib.clip_rows([x]).
+
 namespace torchleaf {
 
+// What a leaf takes and returns: a list of tensors (Python sees Tensor[]).
 using TensorList = std::vector<at::Tensor>;
 
 // A leaf implementation: a function from a list of tensors to a list of
@@ -34,6 +51,8 @@ struct TORCHLEAF_API LeafOptions {
   // Per-leaf override of Config::check_escaped_gradients().
   std::optional<bool> check_escaped_gradients;
 
+  // Builder-style setters of the fields above:
+  // LeafOptions().inputs(2).mutates({1}).validate(true).
   LeafOptions& inputs(int64_t n) {
     num_inputs = n;
     return *this;
@@ -61,8 +80,13 @@ class TORCHLEAF_API LeafFunction {
  public:
   explicit LeafFunction(const LeafEntry* entry) : entry_(entry) {}
 
+  // Calls the leaf with `inputs` (mutable ones included, in their declared
+  // positions) as the operator `namespace::name`: eagerly the real function
+  // runs and its own autograd graph connects the outputs to the inputs;
+  // under tracers the fake runs. Throws LeafError on misuse (see errors.h).
   TensorList operator()(const TensorList& inputs) const;
 
+  // The leaf's process-local id (what torchleaf's generic operators take).
   int64_t id() const;
   // The qualified operator name, "namespace::name".
   const std::string& name() const;
@@ -73,7 +97,11 @@ class TORCHLEAF_API LeafFunction {
 
 // Defines a leaf function as the operator `qualified_name` ("ns::name",
 // both parts identifiers). `fake` may be empty: tracers then fail with a
-// "requires a fake implementation" error, eager calls work.
+// "requires a fake implementation" error, eager calls work. Throws LeafError
+// when the name is taken, malformed, or in a reserved namespace (aten, prim,
+// prims, torchleaf), or when `options` are inconsistent; nothing is
+// registered then. Typically called from a static initializer of a shared
+// library, so that loading the library defines the leaf.
 TORCHLEAF_API LeafFunction define_leaf(
     const std::string& qualified_name,
     LeafFn real,
