@@ -22,17 +22,9 @@ from ._ops import register_ops, sync_cpp_leaves  # noqa: E402
 register_ops()
 
 
-def _tag_compile_caches():
-    # PyTorch's on-disk compile caches key a graph that calls a C++ leaf by
-    # the leaf's named operator, which does not change when torchleaf's own
-    # operators do; the tag keeps artifacts of other torchleaf versions out.
-    tag = f"torchleaf-ops-v{_C.OPERATOR_SCHEMA_VERSION}"
-    config = _torch.compiler.config
-    if tag not in config.cache_key_tag.split(";"):
-        config.cache_key_tag = f"{config.cache_key_tag};{tag}" if config.cache_key_tag else tag
+from ._caches import tag_operator_schema  # noqa: E402
 
-
-_tag_compile_caches()
+tag_operator_schema()
 
 #: Prefix for CMake's find_package(torchleaf): headers, libtorchleaf and the
 #: CMake package shipped inside this Python package.

@@ -354,7 +354,10 @@ def compiled_call(leaf, args, kwargs):
             structures.append((cls.__module__, cls.__qualname__, names, aliases, n_params))
             module_tensors.append(tensors)
             handle = x.__dict__.get(HANDLE_ATTR)
-            if type(handle) is not ModuleHandle:  # none yet, or unpickled
+            # None yet, unpickled, or (a shallow copy) another module's: a
+            # handle of its own, as on first sight. (Dynamo guards that the
+            # module owns the handle, not the module's identity.)
+            if type(handle) is not ModuleHandle or handle.owner() is not x:
                 handles.append(torch.full((), sight_module(x), dtype=torch.int64))
             else:
                 handles.append(handle.tensor)

@@ -22,7 +22,9 @@ function runs under is :mod:`._runner`.
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
+import sys
 import weakref
 
 import torch
@@ -50,7 +52,7 @@ from ._signature import (
     classify,
     split_module_tensors,
 )
-from ._torch_private import pytree
+from ._torch_private import dynamo_is_tracing, pytree
 
 # Pickles of modules that torchleaf saw name this function here (a handle
 # unpickles to "no handle"); it lives in _modules.
@@ -110,6 +112,14 @@ class LeafFunction:
         self._name = name or function_name(fn)
         self._signature = Signature(self._name, fn, mutates_args)
         self._mutates_args = self._signature.mutates_args  # (read by every eager call)
+        # A default argument is not an argument of the call: one that is a
+        # tensor requiring grad would reach the body as a closure does (the
+        # escaped-gradient error). Leaves with tensor defaults get a __call__
+        # that passes them explicitly (_LeafFunctionWithTensorDefaults);
+        # others pay nothing.
+        self._tensor_defaults = self._signature.tensor_defaults()
+        if self._tensor_defaults and type(self) is LeafFunction:
+            self.__class__ = _LeafFunctionWithTensorDefaults
         self._plans = Plans(self._signature)
         self._output_types = {}  # "module.qualname" -> a type among outputs (_outputs: typed containers)
         # The core holds only a weak reference: the leaf dies with its last user.
@@ -203,6 +213,18 @@ class LeafFunction:
     def __get__(self, obj, objtype=None):
         if obj is None:
             return self
+        if isinstance(obj, type) and dynamo_is_tracing():
+            # A @classmethod leaf (classmethod binds its function to the
+            # class) read while Dynamo traces, which runs this natively and
+            # cannot wrap the bound leaf ("Unexpected type in sourceless
+            # builder", which named no leaf). Without fullgraph this is a
+            # graph break, and the call runs eagerly, which works.
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{self._name}' is a @classmethod, which torch.compile "
+                f"cannot call (its argument cls is the class {obj.__qualname__}). Make it a "
+                f"@staticmethod or a plain function that takes what it reads from the class as "
+                f"arguments, or call it outside the compiled region."
+            )
         return _BoundLeaf(self, obj)
 
     def __repr__(self):
@@ -217,7 +239,27 @@ class LeafFunction:
         return self
 
     def __reduce__(self):
-        return self.__qualname__  # type: ignore[attr-defined]  # set by functools.update_wrapper
+        # By reference, as a function pickles: by the module-level name bound
+        # to the leaf. The call form (gate = leaf_function(body)) leaves
+        # `body` bound to the undecorated function, which pickle refused as
+        # "not the same object": the leaf is found by the name bound to it.
+        qualname = self.__qualname__  # type: ignore[attr-defined]  # set by functools.update_wrapper
+        module = sys.modules.get(self.__module__)
+        found = module
+        for part in qualname.split("."):
+            found = getattr(found, part, None)
+        if found is self:
+            return qualname
+        for name, value in list(vars(module).items()) if module is not None else ():
+            if value is self:
+                return (_module_level_leaf, (self.__module__, name))
+        raise LeafFunctionError(
+            f"torchleaf: leaf function '{self._name}' cannot be pickled: it is pickled by reference, "
+            f"by a module-level name bound to it, and {self.__module__}.{qualname} is "
+            f"{'not defined' if found is None else 'the undecorated function'}. Define the leaf at "
+            f"module level with the decorator (@torchleaf.leaf_function) or bind it to a "
+            f"module-level name (gate = torchleaf.leaf_function(body))."
+        )
 
     # -- calls
     def __call__(self, *args, **kwargs):
@@ -344,6 +386,28 @@ class LeafFunction:
                             f"before the call: fully_shard(module, reshard_after_forward=False) and "
                             f"module.unshard() before calling the leaf."
                         )
+
+
+class _LeafFunctionWithTensorDefaults(LeafFunction):
+    """A leaf with tensor default arguments: one that requires grad (under
+    grad mode) is passed explicitly when the call omits it, so that its
+    gradient flows back as the undecorated function's does."""
+
+    def __call__(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            bound = None
+            for name, default in self._tensor_defaults:
+                if default.requires_grad and name not in kwargs:
+                    if bound is None:
+                        bound = self._signature.parameters.bind_partial(*args, **kwargs).arguments
+                    if name not in bound:
+                        kwargs = {**kwargs, name: default}
+        return LeafFunction.__call__(self, *args, **kwargs)
+
+
+def _module_level_leaf(module, name):
+    """Unpickles a leaf bound to a module-level name of its own (LeafFunction.__reduce__)."""
+    return getattr(importlib.import_module(module), name)
 
 
 class _BoundLeaf:

@@ -66,6 +66,9 @@ class ModuleHandle:
         self.value = value = next(_handle_values)
         self.tensor = torch.tensor(value, dtype=torch.int64)
         self.view = None  # the module's ModuleView, once an eager call or a graph ran with it
+        # Its module, weakly: a shallow copy (copy.copy) shares the handle in
+        # its __dict__, and compiled calls tell it by this (_dynamo.compiled_call).
+        self.owner = weakref.ref(module)
 
         def forget(_, value=value):
             _MODULES.pop(value, None)
@@ -355,7 +358,7 @@ def module_at_run_time(leaf, handle, structure, tensors, fake):
         )
     ref = _MODULES.get(int(handle))
     module = ref() if ref is not None else None
-    if _PENDING and module is not None and type(module.__dict__.get(HANDLE_ATTR)) is not ModuleHandle:
+    if _PENDING and module is not None and own_handle(module) is None:  # (a shallow copy's is another's)
         pending = _PENDING.pop(module, None)
         if pending is not None:
             module.__dict__[HANDLE_ATTR] = pending

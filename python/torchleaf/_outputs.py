@@ -368,8 +368,17 @@ _CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtyp
 
 def check_fake_constants(leaf, desc):
     """A fake's non-tensor outputs become graph constants: only plain values."""
-    for _, value in constants(desc):
+    for path, value in constants(desc):
         if not isinstance(value, _CONSTANT_TYPES):
+            if isinstance(value, (torch.SymBool, torch.SymFloat)):
+                raise LeafFunctionError(
+                    f"torchleaf: the fake implementation of leaf function '{leaf._name}' returned a "
+                    f"{type(value).__name__} as {path}: a bool or float computed from symbolic "
+                    f"sizes, which a compiled graph cannot hold as a constant. Return it as a 0-d "
+                    f"tensor from both the function and the fake (torch.tensor(...) in the "
+                    f"function, torch.empty((), dtype=...) in the fake), or compute it outside the "
+                    f"leaf from the inputs' sizes."
+                )
             raise LeafFunctionError(
                 f"torchleaf: the fake implementation of leaf function '{leaf._name}' returned a "
                 f"{type(value).__name__} where a tensor or a plain constant (None, bool, int, "

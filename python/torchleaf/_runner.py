@@ -9,6 +9,7 @@ import contextlib
 import torch
 
 from . import _outputs as outputs
+from ._caches import STABLE_IDS, fold_traced_fake
 from ._errors import LeafFunctionError, add_note
 from ._modules import call_with_modules
 from ._signature import IN_NDARRAY, IN_TENSOR, MODULE_KINDS
@@ -211,6 +212,8 @@ def run_fake(leaf_ref, plan_index, tensors, arguments, real_desc):
     # that the next trace specialized returns a plain int).
     flat, desc = outputs.flatten_output(leaf, out, plan.out if plan.out_carries else None)
     outputs.check_fake_constants(leaf, desc)
+    if STABLE_IDS and arguments is None and real_desc is None:  # a trace
+        fold_traced_fake(leaf._id, plan_index, flat)
     if plan.ordered:
         if plan.autocast is not None and arguments is None and real_desc is None:
             plan.out_dtypes = tuple(t.dtype if isinstance(t, _Tensor) else None for t in flat)

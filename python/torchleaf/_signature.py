@@ -549,6 +549,16 @@ class Signature:
                 f"its parameters are {list(self.parameters.parameters)}."
             )
 
+    def tensor_defaults(self) -> tuple:
+        """(name, default) of each parameter whose default is a tensor and
+        that a call may pass by keyword."""
+        params = self.parameters.parameters.values() if self.parameters is not None else ()
+        return tuple(
+            (p.name, p.default)
+            for p in params
+            if isinstance(p.default, _Tensor) and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        )
+
     def mutated_positions(self, n: int, spec) -> frozenset:
         """The flat positions of a call's arguments that mutates_args names."""
         if not self.mutates_args:

@@ -51,6 +51,12 @@ def current_dynamo_output_graph() -> Any:
     return None if tx is None else tx.output
 
 
+def dynamo_is_tracing() -> bool:
+    """Whether this thread is inside a Dynamo trace (its TracingContext),
+    also where Dynamo runs Python natively (a descriptor's __get__)."""
+    return torch._guards.TracingContext.try_get() is not None
+
+
 def dynamo_traces_a_subgraph() -> bool:
     """Whether Dynamo is tracing the body of a higher-order operator now
     (activation checkpointing, torch.cond): its tracer has a parent."""
@@ -170,6 +176,7 @@ __all__ = [
     "assume_constant_result",
     "autocast_supported_devices",
     "current_dynamo_output_graph",
+    "dynamo_is_tracing",
     "dynamo_traces_a_subgraph",
     "functorch",
     "guard_or_false",
