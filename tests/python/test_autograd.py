@@ -312,6 +312,7 @@ def _rss_kib():
         return int(f.read().split()[1]) * 4
 
 
+@pytest.mark.slow
 def test_state_is_released_with_the_graph_even_without_backward():
     leaf = _leaf(lambda x, w: (x * w).sum(1), lambda x, w: x.new_empty(x.shape[0]))
     w = torch.randn(8, requires_grad=True)

@@ -100,6 +100,7 @@ def _positives():
     return positives
 
 
+@pytest.mark.slow
 def test_unbacked_sizes_from_the_fake():
     positives = _positives()
 

@@ -5,6 +5,7 @@ while its function runs."""
 
 import threading
 
+import pytest
 import torch
 
 import torchleaf
@@ -59,10 +60,12 @@ def _run_threads(worker, args, errors):
     assert not errors, errors[0]
 
 
+@pytest.mark.slow
 def test_threads_eager():
     _hammer(_leaf())
 
 
+@pytest.mark.slow
 def test_threads_compiled():
     leaf = _leaf()
     compiled = torch.compile(lambda x, w: leaf(x, w) + 0, backend="aot_eager", fullgraph=True)

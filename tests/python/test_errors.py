@@ -258,6 +258,7 @@ def test_errors_table_lists_every_case():
         assert f"`{case.__name__}`" in table, f"docs/errors.md misses {case.__name__}"
 
 
+@pytest.mark.slow
 def test_exceptions_in_fake_and_backward_keep_their_type():
     class FakeBroke(KeyError):
         pass

@@ -3,12 +3,17 @@ shapes, which tensors require grad, constants mixed in), a compiled program
 calling a leaf gives the same values and gradients as the undecorated
 function run eagerly."""
 
+import pytest
 import torch
 import torch.utils._pytree as pytree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torchleaf
+
+# Hypothesis runs each property over many generated cases (a minute here):
+# not in `make check`.
+pytestmark = pytest.mark.slow
 
 DTYPES = [torch.float32, torch.float64, torch.int64]
 

@@ -178,6 +178,7 @@ print("hits", counters["inductor"]["fxgraph_cache_hit"], counters["aot_autograd"
 """
 
 
+@pytest.mark.slow
 def test_stable_ids_do_not_reuse_a_graph_traced_with_another_fake(tmp_path):
     # With TORCHLEAF_STABLE_IDS=1 a leaf's id is the same in every process,
     # and the on-disk caches key graphs by their text, which does not show
