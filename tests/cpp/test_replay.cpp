@@ -13,7 +13,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/graph_task.h>
 
-#include "csrc/capture.h" // TORCHLEAF_INLINE_REPLAY_SUPPORTED
+#include "csrc/replay.h" // TORCHLEAF_INLINE_REPLAY_SUPPORTED, runs_without_python
 
 using torchleaf::TensorList;
 using torch::autograd::AutogradContext;

@@ -7,7 +7,7 @@
 // autograd state.
 //
 // In plain eager mode nothing needs to be recorded, so the captured graph is
-// attached to the caller's graph directly (attach_to_caller): backward then
+// attached to the caller's graph directly (run_real_attached): backward then
 // costs what the function's own backward costs, with no replay.
 
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -467,11 +467,8 @@ TensorList call_eager_differentiable(
       captured.push_back(flat.tensors[pos]);
     }
   }
-  std::shared_ptr<CapturedState> state;
-  TensorList outputs =
-      run_real(entry, flat.tensors, flat.is_mutable, site, mask, &state, &caller_edges);
-  attach_to_caller(entry, *state, caller_edges, captured, outputs);
-  return outputs;
+  return run_real_attached(
+      entry, flat.tensors, flat.is_mutable, site, mask, caller_edges, captured);
 }
 
 } // namespace
