@@ -6,6 +6,8 @@
 
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/util/string_view.h>
 
 #include <memory>
@@ -134,5 +136,29 @@ std::tuple<TensorList, at::Tensor> forward_mutating_functionalize(
     at::TensorList inputs,
     at::TensorList mutated,
     at::IntArrayRef differentiable);
+
+// Autograd kernels (autograd/leaf_autograd.cpp). forward_mutating and
+// forward_functional take the boxed forward_autograd_kernel.
+TensorList call_autograd_kernel(int64_t leaf, int64_t plan, at::TensorList inputs);
+TensorList call_mutating_autograd_kernel(
+    int64_t leaf,
+    int64_t plan,
+    at::TensorList inputs,
+    at::TensorList mutated);
+std::tuple<TensorList, at::Tensor> forward_unboxed_autograd_kernel(
+    c10::DispatchKeySet keys,
+    int64_t leaf,
+    int64_t plan,
+    at::TensorList inputs,
+    at::IntArrayRef differentiable);
+void forward_autograd_kernel(
+    const c10::OperatorHandle& op,
+    c10::DispatchKeySet keys,
+    torch::jit::Stack* stack);
+TensorList backward_autograd_kernel(
+    int64_t leaf,
+    const at::Tensor& state,
+    const c10::List<std::optional<at::Tensor>>& grads,
+    c10::SymIntArrayRef input_meta);
 
 } // namespace torchleaf::ops

@@ -1,17 +1,13 @@
-// The torchleaf operators' schemas and the registration of their kernels.
+// The torchleaf operators: their schemas and which kernels they run.
 
 #include <torch/library.h>
 
 #include "../state.h"
+#include "kernel_wiring.h"
 #include "kernels.h"
 #include "leaf_ops.h"
 
 namespace torchleaf::ops {
-
-TORCH_LIBRARY_IMPL(torchleaf, Functionalize, m) {
-  m.impl("call_mutating", &call_mutating_functionalize);
-  m.impl("forward_mutating", &forward_mutating_functionalize);
-}
 
 TORCH_LIBRARY(torchleaf, m) {
   const auto tags = leaf_operator_tags();
@@ -72,32 +68,43 @@ TORCH_LIBRARY(torchleaf, m) {
   // The same for a tensor output whose traced sizes are symbolic, which the
   // operator's always-on output check cannot see (output_check.h).
   m.def("check_output_sizes(str leaf, int output, Tensor tensor, SymInt[] expected) -> ()");
-}
 
-TORCH_LIBRARY_IMPL(torchleaf, CompositeExplicitAutograd, m) {
-  m.impl("call", &call_kernel);
-  m.impl("forward", &forward_kernel);
-  m.impl("call_mutating", &call_mutating_kernel);
-  m.impl("forward_mutating", &forward_mutating_kernel);
-  m.impl("call_functional", &call_functional_kernel);
-  m.impl("forward_functional", &forward_functional_kernel);
-  m.impl("backward", &backward_kernel);
-  m.impl("stack_handles", &stack_state_handles);
-  m.impl("check_carried_int", &check_carried_int_kernel);
-  m.impl("check_output_sizes", &check_output_sizes_kernel);
-}
-
-TORCH_LIBRARY_IMPL(torchleaf, Meta, m) {
-  m.impl("call", &call_meta);
-  m.impl("forward", &forward_meta);
-  m.impl("call_mutating", &call_mutating_meta);
-  m.impl("forward_mutating", &forward_mutating_meta);
-  m.impl("call_functional", &call_functional_meta);
-  m.impl("forward_functional", &forward_functional_meta);
-  m.impl("backward", &backward_meta);
-  m.impl("stack_handles", &stack_handles_meta);
-  m.impl("check_carried_int", &check_carried_int_meta);
-  m.impl("check_output_sizes", &check_output_sizes_meta);
+  // Kernels: real, fake, autograd[, functionalize] (kernel_wiring.h). The
+  // functional variants, stack_handles and the checks only ever run below
+  // Autograd (in graphs, or from the kernels above).
+  const auto boxed_forward_autograd =
+      [] { return torch::CppFunction::makeFromBoxedFunction<&forward_autograd_kernel>(); };
+  register_leaf_kernels(m, "call", &call_kernel, &call_meta, &call_autograd_kernel);
+  register_leaf_kernels(
+      m,
+      "call_mutating",
+      &call_mutating_kernel,
+      &call_mutating_meta,
+      &call_mutating_autograd_kernel,
+      &call_mutating_functionalize);
+  register_leaf_kernels(
+      m, "forward", &forward_kernel, &forward_meta, &forward_unboxed_autograd_kernel);
+  register_leaf_kernels(
+      m,
+      "forward_mutating",
+      &forward_mutating_kernel,
+      &forward_mutating_meta,
+      boxed_forward_autograd(),
+      &forward_mutating_functionalize);
+  register_leaf_kernels(
+      m, "call_functional", &call_functional_kernel, &call_functional_meta, NoKernel{});
+  register_leaf_kernels(
+      m,
+      "forward_functional",
+      &forward_functional_kernel,
+      &forward_functional_meta,
+      boxed_forward_autograd());
+  register_leaf_kernels(m, "backward", &backward_kernel, &backward_meta, &backward_autograd_kernel);
+  register_leaf_kernels(m, "stack_handles", &stack_state_handles, &stack_handles_meta, NoKernel{});
+  register_leaf_kernels(
+      m, "check_carried_int", &check_carried_int_kernel, &check_carried_int_meta, NoKernel{});
+  register_leaf_kernels(
+      m, "check_output_sizes", &check_output_sizes_kernel, &check_output_sizes_meta, NoKernel{});
 }
 
 } // namespace torchleaf::ops

@@ -19,13 +19,13 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
-#include <torch/library.h>
 
 #include <torchleaf/errors.h>
 
 #include "../../capture.h"
 #include "../../profiler_range.h"
 #include "../../state.h"
+#include "../kernels.h"
 #include "../leaf_ops.h"
 
 namespace torchleaf::ops {
@@ -217,6 +217,8 @@ struct LeafBackward final : public Node {
   std::vector<int64_t> differentiable_;
   std::vector<c10::SymInt> input_meta_;
 };
+
+} // namespace
 
 TensorList call_mutating_autograd_kernel(
     int64_t leaf,
@@ -412,7 +414,6 @@ TensorList backward_autograd_kernel(
   return out;
 }
 
-} // namespace
 
 bool is_plain_eager(at::TensorList inputs, at::TensorList mutated) {
   constexpr auto tracing_keys = c10::DispatchKeySet({
@@ -547,16 +548,6 @@ TensorList call_eager(
   }
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return call_real(entry, inputs, mutated, site);
-}
-
-TORCH_LIBRARY_IMPL(torchleaf, Autograd, m) {
-  m.impl("call", &call_autograd_kernel);
-  m.impl("call_mutating", &call_mutating_autograd_kernel);
-  m.impl("forward", &forward_unboxed_autograd_kernel);
-  for (const char* name : {"forward_mutating", "forward_functional"}) {
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&forward_autograd_kernel>());
-  }
-  m.impl("backward", &backward_autograd_kernel);
 }
 
 } // namespace torchleaf::ops
