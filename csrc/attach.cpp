@@ -1,11 +1,9 @@
 // Eager mode: a captured call's graph connected straight into its caller's.
 
-#include <torch/csrc/autograd/functions/utils.h>
-#include <torch/csrc/autograd/variable.h>
-
 #include "capture.h"
 #include "detach.h"
 #include "nodes.h"
+#include "torch_private.h"
 
 namespace torchleaf {
 
@@ -60,7 +58,7 @@ void attach_to_caller(
     // require grad, as with the plain function.
     if (state.output_edges[k].is_valid() &&
         torch::autograd::isDifferentiableType(outputs[k].scalar_type())) {
-      torch::autograd::set_history(outputs[k], router);
+      torch_private::set_history(outputs[k], router);
     } else {
       router->add_input_metadata(Node::undefined_input());
     }

@@ -4,9 +4,7 @@
 #include "capture.h"
 
 #include <ATen/ATen.h>
-#include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/grad_mode.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <optional>
@@ -19,6 +17,7 @@
 #include "nodes.h"
 #include "profiler_range.h"
 #include "user_code_keys.h"
+#include "torch_private.h"
 
 namespace torchleaf {
 
@@ -89,7 +88,7 @@ void alias_inputs(
 
 // Step 2: the user's function, its errors named after the leaf.
 TensorList call_function(RealCall& call) {
-  call.first_sequence_nr = at::sequence_number::peek();
+  call.first_sequence_nr = torch_private::next_sequence_nr();
   try {
     return call.entry.real(call.inner, call.site);
   } catch (c10::Error& e) {
@@ -117,7 +116,7 @@ void finish_capture(RealCall& call, TensorList& outputs) {
   state.output_edges.reserve(outputs.size());
   for (const auto& out : outputs) {
     state.output_edges.push_back(
-        out.requires_grad() ? torch::autograd::impl::gradient_edge(out) : Edge());
+        out.requires_grad() ? torch_private::gradient_edge(out) : Edge());
   }
   walk_captured_graph(
       call.entry,

@@ -5,11 +5,11 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
-#include <torch/csrc/jit/frontend/tracer.h>
 
 #include <torchleaf/errors.h>
 
 #include "capture.h"
+#include "torch_private.h"
 
 namespace torchleaf {
 
@@ -57,7 +57,7 @@ std::string views_of_one_tensor(const TensorList& inputs, size_t i) {
 
 void refuse_jit_tracing(const LeafEntry& entry) {
   TORCHLEAF_CHECK(
-      !torch::jit::tracer::isTracing(),
+      !torch_private::jit_tracing(),
       entry.name,
       "was called under torch.jit.trace, which cannot record a leaf function: "
       "it would trace the function's body with its inputs baked in as "

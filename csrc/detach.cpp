@@ -1,9 +1,10 @@
 #include "detach.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <typeinfo>
+
+#include "torch_private.h"
 
 namespace torchleaf {
 
@@ -13,12 +14,10 @@ at::Tensor detached(const at::Tensor& t) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (typeid(*impl) != typeid(c10::TensorImpl) || impl->key_set().has_any(dispatched_keys) ||
       impl->is_inference() || c10::InferenceMode::is_enabled() ||
-      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python)) {
+      torch_private::tls_is_dispatch_key_included(c10::DispatchKey::Python)) {
     return t.detach();
   }
-  return at::Tensor(impl->shallow_copy_and_detach(
-      /*version_counter=*/impl->version_counter(),
-      /*allow_tensor_metadata_change=*/false));
+  return torch_private::shallow_detach(impl);
 }
 
 } // namespace torchleaf

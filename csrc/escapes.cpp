@@ -7,8 +7,6 @@
 #include "escapes.h"
 
 #include <ATen/ATen.h>
-#include <ATen/record_function.h>
-#include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include <algorithm>
 #include <optional>
@@ -19,6 +17,7 @@
 
 #include "checks.h"
 #include "nodes.h"
+#include "torch_private.h"
 
 namespace torchleaf {
 
@@ -52,7 +51,7 @@ class CallMembership {
   CallMembership(const CapturedState& state, uint64_t first_sequence_nr)
       : state_(state),
         first_sequence_nr_(first_sequence_nr),
-        thread_(at::RecordFunction::currentThreadId()) {}
+        thread_(torch_private::current_thread_id()) {}
 
   // Whether `fn` (not null) belongs to the call: a sink or a node with a
   // path to one.
@@ -193,7 +192,7 @@ void describe_escaped(
       continue;
     }
     seen.push_back(fn);
-    if (const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(fn)) {
+    if (const auto* acc = dynamic_cast<const torch_private::AccumulateGrad*>(fn)) {
       const auto* impl = acc->variable.unsafeGetTensorImpl();
       const auto input = std::find_if(inner.begin(), inner.end(), [&](const at::Tensor& t) {
         return t.unsafeGetTensorImpl() == impl;

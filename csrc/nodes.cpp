@@ -1,13 +1,11 @@
 #include "nodes.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/functions/accumulate_grad.h>
-#include <torch/csrc/autograd/variable.h>
-#include <torch/csrc/dynamo/compiled_autograd.h>
 
 #include <torchleaf/errors.h>
 
 #include "detach.h"
+#include "torch_private.h"
 
 namespace torchleaf {
 
@@ -36,13 +34,13 @@ std::string InputSink::name() const {
   return "torchleaf::InputSink";
 }
 
-void InputSink::compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const {
+void InputSink::compiled_args(torch_private::CompiledNodeArgs& args) const {
   args.collect(active_);
 }
 
 variable_list InputSink::apply_with_saved(
     const variable_list& inputs,
-    torch::dynamo::autograd::SwapSavedVariables& /*saved*/) {
+    torch_private::SwapSavedVariables& /*saved*/) {
   return apply(variable_list(inputs));
 }
 
@@ -61,7 +59,7 @@ std::string LeafRouter::name() const {
   return entry_->name + "Backward";
 }
 
-void LeafRouter::compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const {
+void LeafRouter::compiled_args(torch_private::CompiledNodeArgs& args) const {
   for (const auto& meta : zero_meta_) {
     args.collect(meta.sizes);
     args.collect(meta.options);
@@ -70,7 +68,7 @@ void LeafRouter::compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) 
 
 variable_list LeafRouter::apply_with_saved(
     const variable_list& inputs,
-    torch::dynamo::autograd::SwapSavedVariables& saved) {
+    torch_private::SwapSavedVariables& saved) {
   for (auto& meta : zero_meta_) {
     saved.before(meta.sizes);
   }
@@ -88,7 +86,7 @@ at::Tensor sink_alias(const at::Tensor& t, CapturedState& state, const Edge* cal
     sink->set_next_edges({*caller_edge});
   }
   sink->add_input_metadata(alias);
-  torch::autograd::impl::set_gradient_edge(alias, Edge(sink, 0));
+  torch_private::set_gradient_edge(alias, Edge(sink, 0));
   state.input_edges.emplace_back(std::move(sink), 0);
   return alias;
 }
@@ -108,7 +106,7 @@ int64_t sink_index(const CapturedState& state, const Node* node) {
 // (LeafTensorsMadeInsideAreOutputsNotEscapes) pins it.
 bool is_accumulate_grad(const Node* fn) {
   return fn != nullptr && fn->sequence_nr() == UINT64_MAX &&
-      dynamic_cast<const torch::autograd::AccumulateGrad*>(fn) != nullptr;
+      dynamic_cast<const torch_private::AccumulateGrad*>(fn) != nullptr;
 }
 
 bool has_hooks(Node& fn) {

@@ -12,6 +12,7 @@
 
 #include "registry.h"
 #include "state.h"
+#include "torch_private.h"
 
 namespace torchleaf {
 
@@ -34,10 +35,10 @@ struct InputSink final : public torch::autograd::Node {
 
   // Compiled autograd traces apply() (pure pass-through or the error); its
   // cache key is whether the sink is active.
-  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override;
+  void compiled_args(torch_private::CompiledNodeArgs& args) const override;
   torch::autograd::variable_list apply_with_saved(
       const torch::autograd::variable_list& inputs,
-      torch::dynamo::autograd::SwapSavedVariables& saved) override;
+      torch_private::SwapSavedVariables& saved) override;
 
  private:
   LeafEntryPtr entry_;
@@ -54,10 +55,10 @@ struct LeafRouter final : public torch::autograd::Node {
 
   // Compiled autograd traces apply(): the zeros become graph ops, their
   // (possibly symbolic) sizes the compiled graph's.
-  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override;
+  void compiled_args(torch_private::CompiledNodeArgs& args) const override;
   torch::autograd::variable_list apply_with_saved(
       const torch::autograd::variable_list& inputs,
-      torch::dynamo::autograd::SwapSavedVariables& saved) override;
+      torch_private::SwapSavedVariables& saved) override;
 
  private:
   LeafEntryPtr entry_;

@@ -3,9 +3,6 @@
 
 #include "replay.h"
 
-#include <ATen/ThreadLocalPythonObjects.h>
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/graph_task.h>
 
 #include <cstring>
 #include <typeinfo>
@@ -14,6 +11,7 @@
 
 #include "checks.h"
 #include "user_code_keys.h"
+#include "torch_private.h"
 
 namespace torchleaf {
 
@@ -26,15 +24,15 @@ constexpr const char* kContextKey = "context";
 } // namespace
 
 PythonContextSetAside::PythonContextSetAside() {
-  if (at::impl::ThreadLocalPythonObjects::contains(kContextKey)) {
-    saved_ = at::impl::ThreadLocalPythonObjects::get(kContextKey);
-    at::impl::ThreadLocalPythonObjects::erase(kContextKey);
+  if (torch_private::ThreadLocalPythonObjects::contains(kContextKey)) {
+    saved_ = torch_private::ThreadLocalPythonObjects::get(kContextKey);
+    torch_private::ThreadLocalPythonObjects::erase(kContextKey);
   }
 }
 
 PythonContextSetAside::~PythonContextSetAside() {
   if (saved_) {
-    at::impl::ThreadLocalPythonObjects::set(kContextKey, std::move(saved_));
+    torch_private::ThreadLocalPythonObjects::set(kContextKey, std::move(saved_));
   }
 }
 
@@ -77,8 +75,8 @@ TensorList replay(
     // keep_graph as the inline path shows them (the enclosing one):
     // AOTAutograd's compiled backward with donated buffers (a torch.compile'd
     // function called in the leaf's body) refuses to run under keep_graph.
-    const bool keep_graph = torch::autograd::get_current_graph_task_id() == -1 ||
-        torch::autograd::get_current_graph_task_keep_graph();
+    const bool keep_graph = torch_private::current_graph_task_id() == -1 ||
+        torch_private::current_graph_task_keep_graph();
     // backward's kernels run below the Autograd key; the captured nodes run
     // as the engine runs any node, with Autograd dispatch on. What they call
     // may record: activation checkpointing recomputes a region when a node
@@ -91,13 +89,8 @@ TensorList replay(
         results = std::move(*inline_results);
       } else {
         PythonContextSetAside context_set_aside; // any node, any hook
-        results = torch::autograd::Engine::get_default_engine().execute(
-            roots,
-            root_grads,
-            keep_graph,
-            /*create_graph=*/false,
-            /*accumulate_grad=*/false,
-            state.input_edges);
+        results =
+            torch_private::engine_execute(roots, root_grads, keep_graph, state.input_edges);
       }
     } catch (c10::Error& e) {
       name_the_leaf(e, "backward", *state.entry);

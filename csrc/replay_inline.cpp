@@ -8,10 +8,6 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/SmallVector.h>
-#include <torch/csrc/autograd/anomaly_mode.h>
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/graph_task.h>
-#include <torch/csrc/autograd/input_buffer.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
@@ -19,6 +15,7 @@
 #include <torchleaf/config.h>
 
 #include "nodes.h"
+#include "torch_private.h"
 
 namespace torchleaf {
 
@@ -35,7 +32,7 @@ void accumulate(at::Tensor& slot, at::Tensor&& grad, Node* fn) {
     slot = std::move(grad);
     return;
   }
-  torch::autograd::InputBuffer sum(1);
+  torch_private::InputBuffer sum(1);
   sum.add(0, std::move(slot), std::nullopt, std::nullopt, fn);
   sum.add(0, std::move(grad), std::nullopt, std::nullopt, fn);
   slot = std::move(sum.buffer[0]);
@@ -48,11 +45,10 @@ std::optional<variable_list> replay_inline(
     const edge_list& roots,
     variable_list& root_grads) {
   constexpr size_t kMaxNodes = 32;
-  if (!Config::inline_replay() || torch::autograd::AnomalyMode::is_enabled()) {
+  if (!Config::inline_replay() || torch_private::anomaly_mode_enabled()) {
     return std::nullopt;
   }
-  if (const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
-      exec_info != nullptr && !exec_info->empty()) {
+  if (torch_private::current_graph_task_is_restricted()) {
     return std::nullopt;
   }
   c10::SmallVector<Node*, kMaxNodes> nodes;
@@ -119,7 +115,7 @@ std::optional<variable_list> replay_inline(
   }
   // As Engine::execute does: root gradients take their outputs' dtype (and
   // a broadcastable shape is summed), and a mismatch is the engine's error.
-  torch::autograd::validate_outputs(
+  torch_private::validate_outputs(
       roots, root_grads, [](const std::string& msg) { return msg; });
   variable_list results(state.input_edges.size());
   auto deliver = [&](const Edge& edge, at::Tensor grad) {
@@ -150,7 +146,7 @@ std::optional<variable_list> replay_inline(
     ready.pop_back();
     Node* fn = nodes[n];
     auto outputs = (*fn)(std::move(buffers[n]));
-    torch::autograd::validate_outputs(
+    torch_private::validate_outputs(
         fn->next_edges(), outputs, [fn](const std::string& msg) {
           return "Function " + fn->name() + " returned an " + msg;
         });

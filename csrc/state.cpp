@@ -1,4 +1,5 @@
 #include "state.h"
+#include "torch_private.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Storage.h>
@@ -9,8 +10,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include <ATen/SavedTensorHooks.h>
-#include <torch/csrc/autograd/graph_task.h>
 
 #include <torchleaf/errors.h>
 #include <torchleaf/leaf.h>
@@ -87,7 +86,7 @@ std::atomic<SavedHookMayCopy> g_saved_hook_may_copy{nullptr};
 // Whether saved-tensor hooks are active that may save a copy of a handle
 // (which then finds its state by value: see make_state_handle).
 bool hooks_may_copy_handles() {
-  const auto hooks = at::SavedTensorDefaultHooks::get_hooks(/*ignore_is_tracing=*/true);
+  const auto hooks = torch_private::saved_tensor_default_hooks();
   if (!hooks.has_value()) {
     return false;
   }
@@ -273,8 +272,8 @@ void release_after_backward(const at::Tensor& handle) {
   if (kept_states().count.load(std::memory_order_relaxed) == 0) {
     return; // the usual case: no saved-tensor hooks, nothing kept
   }
-  if (torch::autograd::get_current_graph_task_id() != -1 &&
-      torch::autograd::get_current_graph_task_keep_graph()) {
+  if (torch_private::current_graph_task_id() != -1 &&
+      torch_private::current_graph_task_keep_graph()) {
     return; // retain_graph=True: a later backward may need it
   }
   forget_kept(handle);

@@ -1,7 +1,8 @@
 #pragma once
 
 #include <c10/core/DispatchKeySet.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include "torch_private.h"
 
 namespace torchleaf {
 
@@ -17,10 +18,10 @@ struct UserCodeKeysGuard {
   explicit UserCodeKeysGuard(bool autograd) : guard_(enabled_keys(autograd)) {}
 
  private:
-  static c10::impl::LocalDispatchKeySet enabled_keys(bool autograd) {
+  static torch_private::LocalDispatchKeySet enabled_keys(bool autograd) {
     constexpr auto view_fallbacks = c10::DispatchKeySet(
         {c10::DispatchKey::Conjugate, c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor});
-    auto keys = c10::impl::tls_local_dispatch_key_set();
+    auto keys = torch_private::tls_local_dispatch_key_set();
     // ADInplaceOrView bumps version counters, which inference mode keeps
     // for normal tensors: excluded here, an in-place change in the body
     // would escape the mutation check and the saved-tensor check.
@@ -31,7 +32,7 @@ struct UserCodeKeysGuard {
     }
     return keys;
   }
-  c10::impl::ForceDispatchKeyGuard guard_;
+  torch_private::ForceDispatchKeyGuard guard_;
 };
 
 } // namespace torchleaf

@@ -3,12 +3,11 @@
 // mutable inputs, and the Functionalize kernels that call them.
 
 #include <ATen/ATen.h>
-#include <ATen/FunctionalTensorWrapper.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include "kernels.h"
 #include "leaf_ops.h"
+#include "../torch_private.h"
 
 namespace torchleaf::ops {
 
@@ -18,7 +17,7 @@ namespace {
 // handle list returns): call the functional variant on the unwrapped inputs,
 // then write the new values back into the functional tensors.
 TensorList unwrap(at::TensorList tensors) {
-  namespace F = at::functionalization::impl;
+  namespace F = torch_private::functionalization;
   TensorList out;
   out.reserve(tensors.size());
   for (const auto& t : tensors) {
@@ -33,7 +32,7 @@ TensorList unwrap(at::TensorList tensors) {
 }
 
 void write_back(at::TensorList mutated, const TensorList& updated) {
-  namespace F = at::functionalization::impl;
+  namespace F = torch_private::functionalization;
   for (size_t i = 0; i < mutated.size(); ++i) {
     if (F::isFunctionalTensor(mutated[i])) {
       F::replace_(mutated[i], updated[i]);
@@ -109,11 +108,11 @@ TensorList call_mutating_functionalize(
   auto mut = unwrap(mutated);
   std::tuple<TensorList, TensorList> out;
   {
-    c10::impl::ExcludeDispatchKeyGuard skip(c10::DispatchKey::Functionalize);
+    torch_private::ExcludeDispatchKeyGuard skip(c10::DispatchKey::Functionalize);
     out = op.call(leaf, plan, in, mut);
   }
   write_back(mutated, std::get<1>(out));
-  return at::functionalization::impl::to_functional_tensor(std::get<0>(out));
+  return torch_private::functionalization::to_functional_tensor(std::get<0>(out));
 }
 
 
@@ -131,11 +130,11 @@ std::tuple<TensorList, at::Tensor> forward_mutating_functionalize(
   auto mut = unwrap(mutated);
   std::tuple<TensorList, at::Tensor, TensorList> out;
   {
-    c10::impl::ExcludeDispatchKeyGuard skip(c10::DispatchKey::Functionalize);
+    torch_private::ExcludeDispatchKeyGuard skip(c10::DispatchKey::Functionalize);
     out = op.call(leaf, plan, in, mut, differentiable);
   }
   write_back(mutated, std::get<2>(out));
-  namespace F = at::functionalization::impl;
+  namespace F = torch_private::functionalization;
   return {F::to_functional_tensor(std::get<0>(out)), F::to_functional_tensor(std::get<1>(out))};
 }
 

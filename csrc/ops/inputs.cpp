@@ -3,7 +3,6 @@
 // torchleaf::backward's fake kernel decodes.
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <limits>
 
@@ -11,6 +10,7 @@
 
 #include "kernels.h"
 #include "leaf_ops.h"
+#include "../torch_private.h"
 
 namespace torchleaf::ops {
 
@@ -25,8 +25,7 @@ bool has_forward_tangent(const at::Tensor& t) {
   if (!t.defined()) {
     return false;
   }
-  const auto* meta = torch::autograd::impl::get_autograd_meta(t);
-  if (meta == nullptr || (!meta->fw_grad_ && !meta->is_view_)) {
+  if (!torch_private::may_have_forward_grad(t)) {
     return false;
   }
   return t._fw_grad(/*level=*/0).defined();

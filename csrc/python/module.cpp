@@ -4,7 +4,6 @@
 // lifetimes) is the core's.
 
 #include <torch/csrc/Exceptions.h>
-#include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -18,6 +17,7 @@
 #include "../registry.h"
 #include "../state.h"
 #include "operator_entries.h"
+#include "../torch_private.h"
 
 namespace py = pybind11;
 
@@ -319,7 +319,7 @@ bool python_saved_hook_may_copy(const c10::SafePyObject& pack_hook) {
   py::gil_scoped_acquire gil;
   py::error_scope pending;
   try {
-    auto hook = py::handle(pack_hook.ptr(getPyInterpreter()));
+    auto hook = py::handle(pack_hook.ptr(torch_private::py_interpreter()));
     return py::handle(g_saved_hook_may_copy)(hook).cast<bool>();
   } catch (py::error_already_set&) {
     return true; // keep the state: the safe answer

@@ -26,12 +26,12 @@
 
 #include <type_traits>
 
-#include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "../ops/leaf_ops.h"
 #include "../registry.h"
+#include "../torch_private.h"
 
 namespace torchleaf::python {
 namespace {
@@ -66,7 +66,7 @@ bool plain_tensor_list(PyObject* o, Vector& out) {
     PyObject* item = PyList_GET_ITEM(o, i);
     if (allow_none && item == Py_None) {
       out.emplace_back();
-    } else if (THPVariable_CheckExact(item)) {
+    } else if (torch_private::is_exact_tensor(item)) {
       out.emplace_back(THPVariable_Unpack(item));
     } else {
       return false;
@@ -109,7 +109,7 @@ PyObject* wrap_list(const TensorList& tensors) {
 // to consult (overriding tensors are refused argument by argument).
 bool plain_call(Py_ssize_t nargs, Py_ssize_t expected, PyObject* kwnames) {
   return nargs == expected && (kwnames == nullptr || PyTuple_GET_SIZE(kwnames) == 0) &&
-      !at::impl::torch_function_mode_enabled();
+      !torch_private::torch_function_mode_enabled();
 }
 
 // Releases the GIL for the call of a leaf whose real function is C++ (it
@@ -187,7 +187,7 @@ PyObject* backward_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs
   std::vector<std::optional<at::Tensor>> grads;
   Ints input_meta;
   if (!plain_call(nargs, 4, kwnames) || !exact_int(args[0], leaf) ||
-      !THPVariable_CheckExact(args[1]) || !plain_tensor_list(args[2], grads) ||
+      !torch_private::is_exact_tensor(args[1]) || !plain_tensor_list(args[2], grads) ||
       !int_list(args[3], input_meta)) {
     return fallback(self, args, nargs, kwnames);
   }

@@ -2,6 +2,8 @@
 // implementations and declared mutation.
 #include "test_util.h"
 
+#include "csrc/torch_private.h"
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 
@@ -48,7 +50,7 @@ TEST(Leaf, BodyRunsWithTheConjugateFallbackWhereverTheCallComesFrom) {
   const auto expected = torch::tensor({2.0, 1.0}, torch::kFloat64);
   EXPECT_TRUE(torch::equal(leaf({x})[0], expected));
   {
-    c10::impl::ExcludeDispatchKeyGuard handler(c10::DispatchKeySet(
+    torchleaf::torch_private::ExcludeDispatchKeyGuard handler(c10::DispatchKeySet(
         {c10::DispatchKey::Conjugate, c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor}));
     EXPECT_TRUE(torch::equal(leaf({x})[0], expected));
     EXPECT_TRUE(torch::equal(leaf({x.requires_grad_()})[0], expected));

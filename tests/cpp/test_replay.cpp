@@ -11,9 +11,9 @@
 #include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/utils.h>
-#include <torch/csrc/autograd/graph_task.h>
 
 #include "csrc/replay.h" // TORCHLEAF_INLINE_REPLAY_SUPPORTED, runs_without_python
+#include "csrc/torch_private.h"
 
 using torchleaf::TensorList;
 using torch::autograd::AutogradContext;
@@ -36,7 +36,7 @@ struct Probe : public torch::autograd::Function<Probe> {
     return x.clone();
   }
   static variable_list backward(AutogradContext*, variable_list grads) {
-    g_probe_task = torch::autograd::get_current_graph_task_id();
+    g_probe_task = torchleaf::torch_private::current_graph_task_id();
     g_probe_grad_dtype = grads[0].scalar_type();
     ++g_probe_runs;
     return grads;
@@ -394,7 +394,7 @@ TEST(Replay, NonCpuGraphsGoToTheEngine) {
   auto leaf = torchleaf::define_leaf(unique_name("non_cpu"), [](const TensorList& in) {
     const auto meta = torch::dtype(torch::kDouble).device(torch::kMeta);
     auto on_meta = c10::make_intrusive<LambdaNode>([](variable_list&&) {
-      g_probe_task = torch::autograd::get_current_graph_task_id();
+      g_probe_task = torchleaf::torch_private::current_graph_task_id();
       ++g_probe_runs;
       return variable_list{torch::ones({2}, torch::kDouble)};
     });
@@ -436,7 +436,7 @@ struct Replayer : public torch::autograd::Function<Replayer> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto op =
         c10::Dispatcher::singleton().findSchemaOrThrow("torchleaf::backward", "").typed<BackwardSig>();
-    g_outer_task = torch::autograd::get_current_graph_task_id();
+    g_outer_task = torchleaf::torch_private::current_graph_task_id();
     c10::List<std::optional<at::Tensor>> g({std::optional<at::Tensor>(grads[0])});
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto in = op.call(ctx->saved_data["leaf"].toInt(), ctx->saved_data["state"].toTensor(), g, {});

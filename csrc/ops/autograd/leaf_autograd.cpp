@@ -13,12 +13,8 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/stack.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
-#include <torch/csrc/autograd/variable.h>
-#include <torch/csrc/dynamo/compiled_autograd.h>
 
 #include <torchleaf/errors.h>
 
@@ -27,6 +23,7 @@
 #include "../../state.h"
 #include "../kernels.h"
 #include "../leaf_ops.h"
+#include "../../torch_private.h"
 
 namespace torchleaf::ops {
 
@@ -72,10 +69,10 @@ struct LeafRefusedBackward final : public Node {
   }
 
   // Compiled autograd: raises the same error while tracing the backward.
-  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {}
+  void compiled_args(torch_private::CompiledNodeArgs& /*args*/) const override {}
   variable_list apply_with_saved(
       const variable_list& inputs,
-      torch::dynamo::autograd::SwapSavedVariables& /*saved*/) override {
+      torch_private::SwapSavedVariables& /*saved*/) override {
     return apply(variable_list(inputs));
   }
 
@@ -94,7 +91,7 @@ torch::autograd::Edge refuse_backward_through(
     TensorList& outputs,
     const torch::autograd::Edge& extra = {}) {
   auto node = c10::make_intrusive<LeafRefusedBackward>(std::move(entry), std::move(message));
-  auto edges = torch::autograd::collect_next_edges(inputs);
+  auto edges = torch_private::collect_next_edges(inputs);
   if (extra.is_valid()) {
     edges.push_back(extra);
   }
@@ -109,7 +106,7 @@ torch::autograd::Edge refuse_backward_through(
         t = t.clone();
       }
     }
-    torch::autograd::set_history(t, node);
+    torch_private::set_history(t, node);
   }
   return torch::autograd::Edge(std::move(node), 0);
 }
@@ -117,7 +114,7 @@ torch::autograd::Edge refuse_backward_through(
 // Whether a torch.func transform is running (its dynamic layer keys are
 // included while any of its levels is active, also below the last one).
 bool functorch_active() {
-  return c10::impl::tls_local_dispatch_key_set().included_.has(
+  return torch_private::tls_local_dispatch_key_set().included_.has(
       c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
 }
 
@@ -184,7 +181,7 @@ struct LeafBackward final : public Node {
 
   // Compiled autograd traces apply(): the handle becomes an input of the
   // compiled backward and the call one torchleaf::backward node in it.
-  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+  void compiled_args(torch_private::CompiledNodeArgs& args) const override {
     check_state_alive();
     args.collect(entry_->id);
     args.collect(state_);
@@ -193,7 +190,7 @@ struct LeafBackward final : public Node {
   }
   variable_list apply_with_saved(
       const variable_list& inputs,
-      torch::dynamo::autograd::SwapSavedVariables& saved) override {
+      torch_private::SwapSavedVariables& saved) override {
     saved.before(state_);
     saved.before(input_meta_);
     auto out = apply(variable_list(inputs));
@@ -426,7 +423,7 @@ bool is_plain_eager(at::TensorList inputs, at::TensorList mutated) {
       c10::DispatchKey::FuncTorchBatched,
       c10::DispatchKey::PreDispatch,
   });
-  if (c10::impl::tls_local_dispatch_key_set().included_.has_any(tracing_keys)) {
+  if (torch_private::tls_local_dispatch_key_set().included_.has_any(tracing_keys)) {
     return false;
   }
   // Meta tensors must reach the Meta kernel (the fake), so they take the
@@ -464,7 +461,7 @@ TensorList call_eager_differentiable(
   captured.reserve(differentiable.size());
   for (size_t pos = 0; pos < flat.tensors.size(); ++pos) {
     if (mask[pos]) {
-      caller_edges.push_back(torch::autograd::impl::gradient_edge(flat.tensors[pos]));
+      caller_edges.push_back(torch_private::gradient_edge(flat.tensors[pos]));
       captured.push_back(flat.tensors[pos]);
     }
   }
@@ -525,10 +522,10 @@ std::optional<TensorList> call_autograd(
   held_by_its_handle_alone(state);
   auto node = c10::make_intrusive<LeafBackward>(
       entry.shared_from_this(), std::move(state), std::move(differentiable), std::move(input_meta));
-  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  node->set_next_edges(torch_private::collect_next_edges(inputs));
   for (auto& out : outputs) {
     if (torch::autograd::isDifferentiableType(out.scalar_type())) {
-      torch::autograd::set_history(out, node);
+      torch_private::set_history(out, node);
     } else {
       node->add_input_metadata(Node::undefined_input());
     }
