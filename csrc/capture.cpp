@@ -137,14 +137,15 @@ void finish_capture(RealCall& call, TensorList& outputs) {
   }
 }
 
-// Whether something besides the call still holds `out`.
+// Whether something besides the call still holds `out`, for a caller that
+// owns its outputs.
 bool held_elsewhere(const CallSite& site, const at::Tensor& out) {
-  if (!site.outputs_held_known) {
+  if (!site.outputs_held.has_value()) {
     return out.use_count() > 1;
   }
-  return site.arguments == nullptr &&
-      std::find(site.outputs_held.begin(), site.outputs_held.end(), out.unsafeGetTensorImpl()) !=
-      site.outputs_held.end();
+  const auto& held = *site.outputs_held;
+  return !site.outputs_as_returned &&
+      std::find(held.begin(), held.end(), out.unsafeGetTensorImpl()) != held.end();
 }
 
 // Step 5 (calls whose outputs a graph owns: all but kForCaller, where
@@ -172,8 +173,8 @@ void own_outputs(RealCall& call, TensorList& outputs) {
     // view of one, or another output -- would be corrupted by that, so
     // the graph gets a copy. (A tensor made in Python keeps a reference
     // from its PyObject: Python leaves say which outputs are held. Their
-    // eager calls, which pass `arguments`, return what the function
-    // returned, as the plain function does; an output that
+    // eager calls take the outputs as returned (CallSite::
+    // outputs_as_returned), as the plain function does; an output that
     // copy_aliased_outputs replaced is no longer the held one.)
     if (held_elsewhere(call.site, out) || (out.has_storage() && out.storage().use_count() > 1)) {
       out = out.clone();

@@ -165,9 +165,11 @@ py::list wrap_tensors(const TensorList& tensors) {
   return out;
 }
 
+// The call's arguments: this frontend's payload (CallSite::frontend_payload).
 py::handle arguments_of(const CallSite& site) {
-  return site.arguments != nullptr ? py::handle(static_cast<PyObject*>(site.arguments))
-                                   : py::handle(Py_None);
+  return site.frontend_payload != nullptr
+      ? py::handle(static_cast<PyObject*>(site.frontend_payload))
+      : py::handle(Py_None);
 }
 
 TensorList run_python_real(const PythonLeaf& leaf, const std::string& name,
@@ -186,9 +188,8 @@ TensorList run_python_real(const PythonLeaf& leaf, const std::string& name,
     throw py::error_already_set(); // as pybind11's own call would (fetches the error)
   }
   TORCH_INTERNAL_ASSERT(PyTuple_Check(result.ptr()) && PyTuple_GET_SIZE(result.ptr()) == 2);
-  site.outputs_held.clear();
-  site.outputs_held_known = true;
-  auto outputs = unpack_tensors(PyTuple_GET_ITEM(result.ptr(), 0), name, "real", &site.outputs_held);
+  auto outputs =
+      unpack_tensors(PyTuple_GET_ITEM(result.ptr(), 0), name, "real", &site.outputs_held.emplace());
   site.result = hold(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(result.ptr(), 1)));
   return outputs;
 }
@@ -260,7 +261,12 @@ py::object call(
   if (!eager && !arguments.is_none()) {
     return py::none();
   }
-  CallSite site{plan, eager && !arguments.is_none() ? arguments.ptr() : nullptr};
+  CallSite site{plan};
+  if (eager && !arguments.is_none()) {
+    // An eager call with its arguments returns what the function returned.
+    site.frontend_payload = arguments.ptr();
+    site.outputs_as_returned = true;
+  }
   // The GIL stays held: the work is the Python runner's (the user's
   // operators release it as usual), and dropping tensors that had Python
   // objects without it would take it back once per tensor.
