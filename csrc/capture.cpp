@@ -16,8 +16,8 @@
 #include "escapes.h"
 #include "nodes.h"
 #include "profiler_range.h"
-#include "user_code_keys.h"
 #include "torch_private.h"
+#include "user_code_keys.h"
 
 namespace torchleaf {
 
@@ -71,7 +71,11 @@ void alias_inputs(
   call.versions.reserve(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     const auto& t = inputs[i];
-    TORCHLEAF_CHECK(t.defined(), call.entry.name, "received an undefined tensor at input ", i);
+    TORCHLEAF_CHECK(
+        t.defined(),
+        call.entry.name,
+        "received an undefined tensor at input ",
+        i);
     if (call.capture != Capture::kNone && capture_mask[i]) {
       const Edge* caller_edge = caller_edges != nullptr
           ? &(*caller_edges)[call.state->input_edges.size()]
@@ -145,7 +149,8 @@ bool held_elsewhere(const CallSite& site, const at::Tensor& out) {
   }
   const auto& held = *site.outputs_held;
   return !site.outputs_as_returned &&
-      std::find(held.begin(), held.end(), out.unsafeGetTensorImpl()) != held.end();
+      std::find(held.begin(), held.end(), out.unsafeGetTensorImpl()) !=
+      held.end();
 }
 
 // Step 5 (calls whose outputs a graph owns: all but kForCaller, where
@@ -176,7 +181,8 @@ void own_outputs(RealCall& call, TensorList& outputs) {
     // eager calls take the outputs as returned (CallSite::
     // outputs_as_returned), as the plain function does; an output that
     // copy_aliased_outputs replaced is no longer the held one.)
-    if (held_elsewhere(call.site, out) || (out.has_storage() && out.storage().use_count() > 1)) {
+    if (held_elsewhere(call.site, out) ||
+        (out.has_storage() && out.storage().use_count() > 1)) {
       out = out.clone();
     }
   }
@@ -185,7 +191,10 @@ void own_outputs(RealCall& call, TensorList& outputs) {
 // The steps of every real call. `capture_mask` selects the captured inputs
 // (unless kNone); `caller_edges` are their edges in an eager caller's graph
 // (kForCaller only).
-TensorList run(RealCall& call, c10::ArrayRef<bool> capture_mask, const edge_list* caller_edges) {
+TensorList run(
+    RealCall& call,
+    c10::ArrayRef<bool> capture_mask,
+    const edge_list* caller_edges) {
   const auto& entry = call.entry;
   const ProfilerRange range(entry.name);
   refuse_jit_tracing(entry);
@@ -252,7 +261,8 @@ TensorList run_real_attached(
     c10::ArrayRef<bool> capture_mask,
     const edge_list& caller_edges,
     const TensorList& captured_inputs) {
-  TORCH_INTERNAL_ASSERT(capture_mask.size() == inputs.size() && selects_any(capture_mask));
+  TORCH_INTERNAL_ASSERT(
+      capture_mask.size() == inputs.size() && selects_any(capture_mask));
   RealCall call{entry, inputs, mutable_inputs, site, Capture::kForCaller};
   auto outputs = run(call, capture_mask, &caller_edges);
   attach_to_caller(entry, *call.state, caller_edges, captured_inputs, outputs);

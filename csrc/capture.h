@@ -68,7 +68,10 @@ TensorList run_real_attached(
     const TensorList& captured_inputs);
 
 // Runs `entry`'s fake function, or fails with "requires a fake implementation".
-TensorList run_fake(const LeafEntry& entry, const TensorList& inputs, CallSite& site);
+TensorList run_fake(
+    const LeafEntry& entry,
+    const TensorList& inputs,
+    CallSite& site);
 
 // Replaces each output that aliases an input or an earlier output by a copy:
 // an operator's outputs are its own. Real calls (run_real) and fake ones

@@ -15,8 +15,9 @@ namespace torchleaf {
 
 void name_the_leaf(c10::Error& e, const char* what, const LeafEntry& entry) {
   if (dynamic_cast<LeafError*>(&e) == nullptr) {
-    e.add_context(std::string("while running the ") + what + " of leaf function '" +
-                  entry.name + "'");
+    e.add_context(
+        std::string("while running the ") + what + " of leaf function '" +
+        entry.name + "'");
   }
 }
 
@@ -49,8 +50,12 @@ std::string views_of_one_tensor(const TensorList& inputs, size_t i) {
       others += c10::str(others.empty() ? "" : ", ", j);
     }
   }
-  return others.empty() ? std::string()
-                        : c10::str(" or one of the inputs that are views of the same tensor (", others, ")");
+  return others.empty()
+      ? std::string()
+      : c10::str(
+            " or one of the inputs that are views of the same tensor (",
+            others,
+            ")");
 }
 
 } // namespace
@@ -91,7 +96,8 @@ void check_undeclared_mutation(
     c10::ArrayRef<bool> mutable_inputs,
     c10::ArrayRef<uint32_t> versions) {
   for (size_t i = 0; i < inputs.size(); ++i) {
-    if ((mutable_inputs.empty() || !mutable_inputs[i]) && !inputs[i].is_inference()) {
+    if ((mutable_inputs.empty() || !mutable_inputs[i]) &&
+        !inputs[i].is_inference()) {
       TORCHLEAF_CHECK(
           inputs[i]._version() == versions[i],
           entry.name,
@@ -109,7 +115,8 @@ void check_mutation_without_history(
     const LeafEntry& entry,
     const TensorList& inner,
     c10::ArrayRef<bool> mutable_inputs) {
-  for (size_t i = 0, k = 0; i < mutable_inputs.size(); k += mutable_inputs[i], ++i) {
+  for (size_t i = 0, k = 0; i < mutable_inputs.size();
+       k += mutable_inputs[i], ++i) {
     // (Named by k, its place among the declared-mutable tensors: i depends
     // on how the call was made, eager or from which graph.)
     TORCHLEAF_CHECK(
@@ -223,7 +230,10 @@ void copy_aliased_outputs(TensorList& outputs, const TensorList& inputs) {
   }
 }
 
-TensorList run_fake(const LeafEntry& entry, const TensorList& inputs, CallSite& site) {
+TensorList run_fake(
+    const LeafEntry& entry,
+    const TensorList& inputs,
+    CallSite& site) {
   TORCHLEAF_CHECK(
       static_cast<bool>(entry.fake),
       entry.name,

@@ -105,7 +105,8 @@ class CallMembership {
   // Whether the call made `fn` on this thread (for naming escaped tensors
   // only: a node made on another thread counts as not made by the call).
   bool made_here(const Node* fn) const {
-    return fn->thread_id() == thread_ && fn->sequence_nr() >= first_sequence_nr_ &&
+    return fn->thread_id() == thread_ &&
+        fn->sequence_nr() >= first_sequence_nr_ &&
         fn->sequence_nr() != UINT64_MAX;
   }
 
@@ -133,7 +134,8 @@ class CallMembership {
   std::optional<Mark> lookup(const Node* fn) const {
     if (!large_.empty()) {
       auto it = large_.find(fn);
-      return it == large_.end() ? std::nullopt : std::optional<Mark>(it->second);
+      return it == large_.end() ? std::nullopt
+                                : std::optional<Mark>(it->second);
     }
     for (const auto& [node, mark] : small_) {
       if (node == fn) {
@@ -188,19 +190,23 @@ void describe_escaped(
     const Edge* e = stack.back();
     stack.pop_back();
     const Node* fn = e->function.get();
-    if (fn == nullptr || std::find(seen.begin(), seen.end(), fn) != seen.end()) {
+    if (fn == nullptr ||
+        std::find(seen.begin(), seen.end(), fn) != seen.end()) {
       continue;
     }
     seen.push_back(fn);
-    if (const auto* acc = dynamic_cast<const torch_private::AccumulateGrad*>(fn)) {
+    if (const auto* acc =
+            dynamic_cast<const torch_private::AccumulateGrad*>(fn)) {
       const auto* impl = acc->variable.unsafeGetTensorImpl();
-      const auto input = std::find_if(inner.begin(), inner.end(), [&](const at::Tensor& t) {
-        return t.unsafeGetTensorImpl() == impl;
-      });
+      const auto input =
+          std::find_if(inner.begin(), inner.end(), [&](const at::Tensor& t) {
+            return t.unsafeGetTensorImpl() == impl;
+          });
       if (input != inner.end()) {
         grad_enabled_inputs.push_back(input - inner.begin());
       } else {
-        escaped.push_back(describe(acc->variable.sym_sizes(), acc->variable.scalar_type()));
+        escaped.push_back(
+            describe(acc->variable.sym_sizes(), acc->variable.scalar_type()));
       }
     } else if (members.made_here(fn)) {
       for (const auto& next : fn->next_edges()) {
@@ -208,8 +214,8 @@ void describe_escaped(
       }
     } else {
       const auto& meta = fn->input_metadata(e->input_nr);
-      escaped.push_back(
-          describe(meta.shape_as_dim_vector(), meta.options().dtype().toScalarType()));
+      escaped.push_back(describe(
+          meta.shape_as_dim_vector(), meta.options().dtype().toScalarType()));
     }
   }
 }
@@ -233,7 +239,6 @@ std::string requires_grad_set_inside(
         "inside the function, use x.detach().requires_grad_().";
   return ss.str();
 }
-
 
 // Walks the captured graph from the outputs and records which inputs the
 // outputs reach and every edge that leads to an input sink. Edges from the
@@ -270,7 +275,8 @@ void walk_captured_graph(
       return;
     }
     if (report_escaped) {
-      describe_escaped(members, edge, inner, seen, escaped, grad_enabled_inputs);
+      describe_escaped(
+          members, edge, inner, seen, escaped, grad_enabled_inputs);
     } else {
       edge = Edge(); // its gradient is simply not computed
     }
@@ -320,7 +326,10 @@ void walk_captured_graph(
   }
 }
 
-void throw_escaped_output(const LeafEntry& entry, int64_t plan, const TensorList& inner) {
+void throw_escaped_output(
+    const LeafEntry& entry,
+    int64_t plan,
+    const TensorList& inner) {
   std::vector<size_t> grad_enabled_inputs;
   for (size_t i = 0; i < inner.size(); ++i) {
     if (inner[i].requires_grad()) {

@@ -28,7 +28,10 @@ c10::TypedOperatorHandle<Signature> typed_op(const LeafEntry& entry) {
 // Registers the kernels of a named leaf operator: the same work as
 // torchleaf::call's, bound to one entry. Unboxed, so that a call from C++
 // costs no boxing.
-void register_kernels(torch::Library& lib, const std::string& name, const LeafEntry* entry) {
+void register_kernels(
+    torch::Library& lib,
+    const std::string& name,
+    const LeafEntry* entry) {
   if (entry->options.mutates_inputs.empty()) {
     ops::register_leaf_kernels(
         lib,
@@ -46,7 +49,8 @@ void register_kernels(torch::Library& lib, const std::string& name, const LeafEn
           if (auto out = ops::call_autograd(*entry, in, {}, site)) {
             return std::move(*out);
           }
-          return ops::redispatch_below_autograd(typed_op<LeafSignature>(*entry), keys, in);
+          return ops::redispatch_below_autograd(
+              typed_op<LeafSignature>(*entry), keys, in);
         });
     return;
   }
@@ -61,7 +65,8 @@ void register_kernels(torch::Library& lib, const std::string& name, const LeafEn
         CallSite site;
         return ops::call_fake(*entry, in, mutated, site);
       },
-      [entry](c10::DispatchKeySet keys, at::TensorList in, at::TensorList mutated) {
+      [entry](
+          c10::DispatchKeySet keys, at::TensorList in, at::TensorList mutated) {
         CallSite site;
         if (auto out = ops::call_autograd(*entry, in, mutated, site)) {
           return std::move(*out);
@@ -71,7 +76,8 @@ void register_kernels(torch::Library& lib, const std::string& name, const LeafEn
       },
       // The same as torchleaf::call_mutating's.
       [entry](at::TensorList in, at::TensorList mutated) {
-        return ops::call_mutating_functionalize(entry->id, /*plan=*/0, in, mutated);
+        return ops::call_mutating_functionalize(
+            entry->id, /*plan=*/0, in, mutated);
       });
 }
 
@@ -143,11 +149,12 @@ LeafFunction define_leaf(
   const std::string schema = name +
       (has_mutated ? "(Tensor[] inputs, Tensor(a!)[] mutated) -> Tensor[]"
                    : "(Tensor[] inputs) -> Tensor[]");
-  const auto tags = ops::leaf_operator_tags(); // (a named list: see leaf_ops.cpp)
+  const auto tags =
+      ops::leaf_operator_tags(); // (a named list: see leaf_ops.cpp)
   lib->def(schema.c_str(), tags);
   register_kernels(*lib, name, entry.get());
-  entry->named_op =
-      c10::Dispatcher::singleton().findSchemaOrThrow(qualified_name.c_str(), "");
+  entry->named_op = c10::Dispatcher::singleton().findSchemaOrThrow(
+      qualified_name.c_str(), "");
   entry->library = std::move(lib);
   const LeafEntry* published = entry.get(); // immortal once registered
   register_leaf(std::move(entry));

@@ -79,7 +79,10 @@ variable_list LeafRouter::apply_with_saved(
   return out;
 }
 
-at::Tensor sink_alias(const at::Tensor& t, CapturedState& state, const Edge* caller_edge) {
+at::Tensor sink_alias(
+    const at::Tensor& t,
+    CapturedState& state,
+    const Edge* caller_edge) {
   at::Tensor alias = detached(t);
   auto sink = c10::make_intrusive<InputSink>(state.entry);
   if (caller_edge != nullptr) {

@@ -30,7 +30,8 @@ struct InputSink final : public torch::autograd::Node {
     active_ = true;
   }
 
-  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
+  torch::autograd::variable_list apply(
+      torch::autograd::variable_list&& grads) override;
   std::string name() const override;
 
   // Compiled autograd traces apply() (pure pass-through or the error); its
@@ -50,7 +51,8 @@ struct InputSink final : public torch::autograd::Node {
 struct LeafRouter final : public torch::autograd::Node {
   LeafRouter(LeafEntryPtr entry, std::vector<InputMeta> zero_meta);
 
-  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
+  torch::autograd::variable_list apply(
+      torch::autograd::variable_list&& grads) override;
   std::string name() const override;
 
   // Compiled autograd traces apply(): the zeros become graph ops, their
@@ -74,7 +76,9 @@ at::Tensor sink_alias(
 
 // Index of `node` among the state's input sinks, or -1. Leaf calls have few
 // inputs: a linear scan beats hashing.
-int64_t sink_index(const CapturedState& state, const torch::autograd::Node* node);
+int64_t sink_index(
+    const CapturedState& state,
+    const torch::autograd::Node* node);
 
 // Whether `fn` is a leaf tensor's AccumulateGrad.
 bool is_accumulate_grad(const torch::autograd::Node* fn);

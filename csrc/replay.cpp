@@ -3,15 +3,14 @@
 
 #include "replay.h"
 
-
 #include <cstring>
 #include <typeinfo>
 
 #include <torchleaf/errors.h>
 
 #include "checks.h"
-#include "user_code_keys.h"
 #include "torch_private.h"
+#include "user_code_keys.h"
 
 namespace torchleaf {
 
@@ -32,7 +31,8 @@ PythonContextSetAside::PythonContextSetAside() {
 
 PythonContextSetAside::~PythonContextSetAside() {
   if (saved_) {
-    torch_private::ThreadLocalPythonObjects::set(kContextKey, std::move(saved_));
+    torch_private::ThreadLocalPythonObjects::set(
+        kContextKey, std::move(saved_));
   }
 }
 
@@ -89,8 +89,8 @@ TensorList replay(
         results = std::move(*inline_results);
       } else {
         PythonContextSetAside context_set_aside; // any node, any hook
-        results =
-            torch_private::engine_execute(roots, root_grads, keep_graph, state.input_edges);
+        results = torch_private::engine_execute(
+            roots, root_grads, keep_graph, state.input_edges);
       }
     } catch (c10::Error& e) {
       name_the_leaf(e, "backward", *state.entry);
@@ -98,8 +98,9 @@ TensorList replay(
     } catch (const std::exception&) {
       // A Python exception (an autograd.Function's backward): the bindings
       // add the note that eager real functions get in Python.
-      detail::note_foreign_error("raised inside the backward of leaf function '" +
-                                 state.entry->name + "'");
+      detail::note_foreign_error(
+          "raised inside the backward of leaf function '" + state.entry->name +
+          "'");
       throw;
     }
   }

@@ -43,10 +43,10 @@
 // The Python-binding entries are compiled only with TORCHLEAF_PYTHON_BINDINGS
 // (the torchleaf._C target): the core never includes Python headers.
 
+#include <ATen/FunctionalTensorWrapper.h>
 #include <ATen/SavedTensorHooks.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/ThreadLocalPythonObjects.h>
-#include <ATen/FunctionalTensorWrapper.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/record_function.h>
 #include <c10/core/TensorImpl.h>
@@ -130,7 +130,9 @@ inline void set_gradient_edge(const at::Tensor& t, torch::autograd::Edge edge) {
   torch::autograd::impl::set_gradient_edge(t, std::move(edge));
 }
 
-inline void set_history(const at::Tensor& t, const c10::intrusive_ptr<torch::autograd::Node>& node) {
+inline void set_history(
+    const at::Tensor& t,
+    const c10::intrusive_ptr<torch::autograd::Node>& node) {
   torch::autograd::set_history(t, node);
 }
 

@@ -20,7 +20,9 @@ struct UserCodeKeysGuard {
  private:
   static torch_private::LocalDispatchKeySet enabled_keys(bool autograd) {
     constexpr auto view_fallbacks = c10::DispatchKeySet(
-        {c10::DispatchKey::Conjugate, c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor});
+        {c10::DispatchKey::Conjugate,
+         c10::DispatchKey::Negative,
+         c10::DispatchKey::ZeroTensor});
     auto keys = torch_private::tls_local_dispatch_key_set();
     // ADInplaceOrView bumps version counters, which inference mode keeps
     // for normal tensors: excluded here, an in-place change in the body
@@ -28,7 +30,8 @@ struct UserCodeKeysGuard {
     keys.excluded_ = keys.excluded_ - view_fallbacks -
         c10::DispatchKeySet(c10::DispatchKey::ADInplaceOrView);
     if (autograd) {
-      keys.excluded_ = keys.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;
+      keys.excluded_ =
+          keys.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;
     }
     return keys;
   }

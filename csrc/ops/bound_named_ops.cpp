@@ -37,7 +37,8 @@ struct BoundOperator {
       : name(std::move(n)),
         mutating(m),
         library(std::move(lib)),
-        handle(c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "")) {}
+        handle(
+            c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "")) {}
 
   // The bound leaf and the plan for `call`.
   std::pair<LeafEntryPtr, int64_t> resolve(const std::string& call) {
@@ -87,23 +88,31 @@ std::unordered_map<std::string, BoundOperatorPtr>& operators() {
 }
 
 using Signature = TensorList(at::TensorList, c10::string_view);
-using MutatingSignature = TensorList(at::TensorList, at::TensorList, c10::string_view);
+using MutatingSignature =
+    TensorList(at::TensorList, at::TensorList, c10::string_view);
 
-void register_kernels(torch::Library& lib, const std::string& name, const BoundOperatorPtr& op) {
+void register_kernels(
+    torch::Library& lib,
+    const std::string& name,
+    const BoundOperatorPtr& op) {
   // One body per kernel, for both schemas: `mutated` is empty for the
   // non-mutating one.
-  auto real = [op](at::TensorList in, at::TensorList mutated, c10::string_view call) {
-    auto [leaf, plan] = op->resolve(std::string(call));
-    CallSite site{plan};
-    return call_real(*leaf, in, mutated, site);
-  };
-  auto fake = [op](at::TensorList in, at::TensorList mutated, c10::string_view call) {
-    auto [leaf, plan] = op->resolve(std::string(call));
-    CallSite site{plan};
-    return call_fake(*leaf, in, mutated, site);
-  };
-  auto autograd = [op](at::TensorList in, at::TensorList mutated, c10::string_view call)
-      -> std::optional<TensorList> {
+  auto real =
+      [op](at::TensorList in, at::TensorList mutated, c10::string_view call) {
+        auto [leaf, plan] = op->resolve(std::string(call));
+        CallSite site{plan};
+        return call_real(*leaf, in, mutated, site);
+      };
+  auto fake =
+      [op](at::TensorList in, at::TensorList mutated, c10::string_view call) {
+        auto [leaf, plan] = op->resolve(std::string(call));
+        CallSite site{plan};
+        return call_fake(*leaf, in, mutated, site);
+      };
+  auto autograd = [op](
+                      at::TensorList in,
+                      at::TensorList mutated,
+                      c10::string_view call) -> std::optional<TensorList> {
     auto [leaf, plan] = op->resolve(std::string(call));
     CallSite site{plan};
     return call_autograd(*leaf, in, mutated, site);
@@ -112,13 +121,21 @@ void register_kernels(torch::Library& lib, const std::string& name, const BoundO
     register_leaf_kernels(
         lib,
         name.c_str(),
-        [real](at::TensorList in, c10::string_view call) { return real(in, {}, call); },
-        [fake](at::TensorList in, c10::string_view call) { return fake(in, {}, call); },
-        [autograd, op](c10::DispatchKeySet keys, at::TensorList in, c10::string_view call) {
+        [real](at::TensorList in, c10::string_view call) {
+          return real(in, {}, call);
+        },
+        [fake](at::TensorList in, c10::string_view call) {
+          return fake(in, {}, call);
+        },
+        [autograd, op](
+            c10::DispatchKeySet keys,
+            at::TensorList in,
+            c10::string_view call) {
           if (auto out = autograd(in, {}, call)) {
             return std::move(*out);
           }
-          return redispatch_below_autograd(op->handle.typed<Signature>(), keys, in, call);
+          return redispatch_below_autograd(
+              op->handle.typed<Signature>(), keys, in, call);
         });
     return;
   }
@@ -144,17 +161,22 @@ void register_kernels(torch::Library& lib, const std::string& name, const BoundO
       });
 }
 
-BoundOperatorPtr define_operator(const std::string& qualified_name, bool mutating) {
+BoundOperatorPtr define_operator(
+    const std::string& qualified_name,
+    bool mutating) {
   const auto [ns, name] = split_qualified_name(qualified_name);
   auto lib = std::make_unique<torch::Library>(
       torch::Library::FRAGMENT, ns, std::nullopt, __FILE__, __LINE__);
   const auto tags = leaf_operator_tags(); // (a named list: see leaf_ops.cpp)
-  lib->def((name +
-            (mutating ? "(Tensor[] inputs, Tensor(a!)[] mutated, str call) -> Tensor[]"
-                      : "(Tensor[] inputs, str call) -> Tensor[]"))
-               .c_str(),
-           tags);
-  auto op = std::make_shared<BoundOperator>(qualified_name, mutating, std::move(lib));
+  lib->def(
+      (name +
+       (mutating
+            ? "(Tensor[] inputs, Tensor(a!)[] mutated, str call) -> Tensor[]"
+            : "(Tensor[] inputs, str call) -> Tensor[]"))
+          .c_str(),
+      tags);
+  auto op =
+      std::make_shared<BoundOperator>(qualified_name, mutating, std::move(lib));
   register_kernels(*op->library, name, op);
   return op;
 }
@@ -176,7 +198,9 @@ void bind_named_operator(
   auto& table = operators();
   auto it = table.find(qualified_name);
   if (it == table.end()) {
-    it = table.emplace(qualified_name, define_operator(qualified_name, mutating)).first;
+    it =
+        table.emplace(qualified_name, define_operator(qualified_name, mutating))
+            .first;
   }
   BoundOperator& op = *it->second;
   TORCHLEAF_CHECK(

@@ -12,17 +12,21 @@
 
 namespace torchleaf::ops {
 
-TensorList call(int64_t leaf, int64_t plan, at::TensorList inputs, at::TensorList mutated) {
+TensorList call(
+    int64_t leaf,
+    int64_t plan,
+    at::TensorList inputs,
+    at::TensorList mutated) {
   if (mutated.empty()) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("torchleaf::call", "")
                          .typed<TensorList(int64_t, int64_t, at::TensorList)>();
     return op.call(leaf, plan, inputs);
   }
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("torchleaf::call_mutating", "")
-          .typed<TensorList(int64_t, int64_t, at::TensorList, at::TensorList)>();
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchleaf::call_mutating", "")
+                       .typed<TensorList(
+                           int64_t, int64_t, at::TensorList, at::TensorList)>();
   return op.call(leaf, plan, inputs, mutated);
 }
 
@@ -40,10 +44,14 @@ std::tuple<TensorList, at::Tensor> forward(
             .typed<Result(int64_t, int64_t, at::TensorList, at::IntArrayRef)>();
     return op.call(leaf, plan, inputs, differentiable);
   }
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("torchleaf::forward_mutating", "")
-          .typed<Result(int64_t, int64_t, at::TensorList, at::TensorList, at::IntArrayRef)>();
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchleaf::forward_mutating", "")
+                       .typed<Result(
+                           int64_t,
+                           int64_t,
+                           at::TensorList,
+                           at::TensorList,
+                           at::IntArrayRef)>();
   return op.call(leaf, plan, inputs, mutated, differentiable);
 }
 
@@ -68,7 +76,9 @@ namespace {
 // conjugate, negative and zero-tensor fallbacks materialize such inputs.
 bool has_fallback_keys(at::TensorList tensors) {
   constexpr auto keys = c10::DispatchKeySet(
-      {c10::DispatchKey::Conjugate, c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor});
+      {c10::DispatchKey::Conjugate,
+       c10::DispatchKey::Negative,
+       c10::DispatchKey::ZeroTensor});
   for (const auto& t : tensors) {
     if (t.key_set().has_any(keys)) {
       return true;
@@ -79,7 +89,10 @@ bool has_fallback_keys(at::TensorList tensors) {
 
 } // namespace
 
-std::optional<TensorList> call_plain(const LeafEntry& entry, int64_t plan, at::TensorList inputs) {
+std::optional<TensorList> call_plain(
+    const LeafEntry& entry,
+    int64_t plan,
+    at::TensorList inputs) {
   if (!is_plain_eager(inputs, {}) || has_fallback_keys(inputs)) {
     return std::nullopt;
   }
@@ -94,7 +107,8 @@ std::optional<std::tuple<TensorList, at::Tensor>> forward_plain(
     at::IntArrayRef differentiable) {
   // With grad mode on, an input that requires grad makes the Autograd kernel
   // refuse a second derivative: that takes the operator.
-  if (at::GradMode::is_enabled() || !is_plain_eager(inputs, {}) || has_fallback_keys(inputs)) {
+  if (at::GradMode::is_enabled() || !is_plain_eager(inputs, {}) ||
+      has_fallback_keys(inputs)) {
     return std::nullopt;
   }
   const ProfilerRange range("torchleaf::forward");

@@ -5,9 +5,9 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include "../torch_private.h"
 #include "kernels.h"
 #include "leaf_ops.h"
-#include "../torch_private.h"
 
 namespace torchleaf::ops {
 
@@ -80,7 +80,8 @@ std::tuple<TensorList, at::Tensor, TensorList> forward_functional_kernel(
     at::TensorList mutated,
     at::IntArrayRef differentiable) {
   auto updated = clone_all(mutated);
-  auto [out, state] = forward_mutating_kernel(leaf, plan, inputs, updated, differentiable);
+  auto [out, state] =
+      forward_mutating_kernel(leaf, plan, inputs, updated, differentiable);
   return {std::move(out), std::move(state), std::move(updated)};
 }
 
@@ -90,10 +91,10 @@ std::tuple<TensorList, at::Tensor, TensorList> forward_functional_meta(
     at::TensorList inputs,
     at::TensorList mutated,
     at::IntArrayRef differentiable) {
-  auto [out, state] = forward_mutating_meta(leaf, plan, inputs, mutated, differentiable);
+  auto [out, state] =
+      forward_mutating_meta(leaf, plan, inputs, mutated, differentiable);
   return {std::move(out), std::move(state), clone_all(mutated)};
 }
-
 
 TensorList call_mutating_functionalize(
     int64_t leaf,
@@ -108,13 +109,14 @@ TensorList call_mutating_functionalize(
   auto mut = unwrap(mutated);
   std::tuple<TensorList, TensorList> out;
   {
-    torch_private::ExcludeDispatchKeyGuard skip(c10::DispatchKey::Functionalize);
+    torch_private::ExcludeDispatchKeyGuard skip(
+        c10::DispatchKey::Functionalize);
     out = op.call(leaf, plan, in, mut);
   }
   write_back(mutated, std::get<1>(out));
-  return torch_private::functionalization::to_functional_tensor(std::get<0>(out));
+  return torch_private::functionalization::to_functional_tensor(
+      std::get<0>(out));
 }
-
 
 std::tuple<TensorList, at::Tensor> forward_mutating_functionalize(
     int64_t leaf,
@@ -125,18 +127,24 @@ std::tuple<TensorList, at::Tensor> forward_mutating_functionalize(
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("torchleaf::forward_functional", "")
                        .typed<std::tuple<TensorList, at::Tensor, TensorList>(
-                           int64_t, int64_t, at::TensorList, at::TensorList, at::IntArrayRef)>();
+                           int64_t,
+                           int64_t,
+                           at::TensorList,
+                           at::TensorList,
+                           at::IntArrayRef)>();
   auto in = unwrap(inputs);
   auto mut = unwrap(mutated);
   std::tuple<TensorList, at::Tensor, TensorList> out;
   {
-    torch_private::ExcludeDispatchKeyGuard skip(c10::DispatchKey::Functionalize);
+    torch_private::ExcludeDispatchKeyGuard skip(
+        c10::DispatchKey::Functionalize);
     out = op.call(leaf, plan, in, mut, differentiable);
   }
   write_back(mutated, std::get<2>(out));
   namespace F = torch_private::functionalization;
-  return {F::to_functional_tensor(std::get<0>(out)), F::to_functional_tensor(std::get<1>(out))};
+  return {
+      F::to_functional_tensor(std::get<0>(out)),
+      F::to_functional_tensor(std::get<1>(out))};
 }
-
 
 } // namespace torchleaf::ops

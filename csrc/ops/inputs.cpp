@@ -8,12 +8,11 @@
 
 #include <torchleaf/errors.h>
 
+#include "../torch_private.h"
 #include "kernels.h"
 #include "leaf_ops.h"
-#include "../torch_private.h"
 
 namespace torchleaf::ops {
-
 
 // Whether `t` carries a forward-mode AD tangent. Eager forward AD has one
 // level, 0 (nesting is refused); torch.func.jvp nests through functorch
@@ -30,7 +29,6 @@ bool has_forward_tangent(const at::Tensor& t) {
   }
   return t._fw_grad(/*level=*/0).defined();
 }
-
 
 void check_no_forward_tangents(
     const std::string& leaf_name,
@@ -53,7 +51,10 @@ void check_no_forward_tangents(
   }
 }
 
-void check_no_forward_tangents(int64_t leaf, at::TensorList inputs, at::TensorList mutated) {
+void check_no_forward_tangents(
+    int64_t leaf,
+    at::TensorList inputs,
+    at::TensorList mutated) {
   for (const auto* list : {&inputs, &mutated}) {
     for (const auto& t : *list) {
       if (has_forward_tangent(t)) {
@@ -87,7 +88,8 @@ FlatInputs merge_inputs(
     flat.tensors.insert(flat.tensors.end(), mutated.begin(), mutated.end());
     if (!mutated.empty()) {
       flat.is_mutable.assign(total, false);
-      std::fill(flat.is_mutable.begin() + inputs.size(), flat.is_mutable.end(), true);
+      std::fill(
+          flat.is_mutable.begin() + inputs.size(), flat.is_mutable.end(), true);
     }
     return flat;
   }
@@ -170,28 +172,34 @@ std::vector<DecodedInputMeta> decode_input_meta(
       fail(i, "a record shorter than its 4-entry header");
     }
     const int64_t dtype = int_at(i);
-    if (dtype < 0 || dtype >= static_cast<int64_t>(at::ScalarType::NumOptions)) {
+    if (dtype < 0 ||
+        dtype >= static_cast<int64_t>(at::ScalarType::NumOptions)) {
       fail(i, c10::str("unknown dtype code ", dtype));
     }
     const int64_t device_type = int_at(i + 1);
     if (device_type < 0 ||
-        device_type >= static_cast<int64_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)) {
+        device_type >= static_cast<int64_t>(
+                           c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)) {
       fail(i + 1, c10::str("unknown device type code ", device_type));
     }
     const int64_t device_index = int_at(i + 2);
-    if (device_index < -1 || device_index > std::numeric_limits<c10::DeviceIndex>::max()) {
+    if (device_index < -1 ||
+        device_index > std::numeric_limits<c10::DeviceIndex>::max()) {
       fail(i + 2, c10::str("device index ", device_index, " out of range"));
     }
     const int64_t ndim = int_at(i + 3);
     if (ndim < 0 || static_cast<size_t>(ndim) > meta.size() - i - 4) {
-      fail(i + 3, c10::str("ndim ", ndim, " does not fit the remaining entries"));
+      fail(
+          i + 3,
+          c10::str("ndim ", ndim, " does not fit the remaining entries"));
     }
     DecodedInputMeta decoded{
         static_cast<at::ScalarType>(dtype),
         c10::Device(
             static_cast<c10::DeviceType>(device_type),
             static_cast<c10::DeviceIndex>(device_index)),
-        std::vector<c10::SymInt>(meta.begin() + i + 4, meta.begin() + i + 4 + ndim)};
+        std::vector<c10::SymInt>(
+            meta.begin() + i + 4, meta.begin() + i + 4 + ndim)};
     for (size_t d = 0; d < decoded.sizes.size(); ++d) {
       if (auto v = decoded.sizes[d].maybe_as_int(); v && *v < 0) {
         fail(i + 4 + d, c10::str("negative size ", *v));

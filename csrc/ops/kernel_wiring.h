@@ -29,7 +29,11 @@ namespace torchleaf::ops {
 
 struct NoKernel {};
 
-template <class Real, class Fake, class Autograd, class Functionalize = NoKernel>
+template <
+    class Real,
+    class Fake,
+    class Autograd,
+    class Functionalize = NoKernel>
 void register_leaf_kernels(
     torch::Library& lib,
     const char* name,
@@ -39,13 +43,16 @@ void register_leaf_kernels(
     Functionalize&& functionalize = NoKernel{}) {
   auto impl = [&](c10::DispatchKey key, auto&& kernel) {
     if constexpr (!std::is_same_v<std::decay_t<decltype(kernel)>, NoKernel>) {
-      lib.impl(name, torch::dispatch(key, std::forward<decltype(kernel)>(kernel)));
+      lib.impl(
+          name, torch::dispatch(key, std::forward<decltype(kernel)>(kernel)));
     }
   };
   impl(c10::DispatchKey::CompositeExplicitAutograd, std::forward<Real>(real));
   impl(c10::DispatchKey::Meta, std::forward<Fake>(fake));
   impl(c10::DispatchKey::Autograd, std::forward<Autograd>(autograd));
-  impl(c10::DispatchKey::Functionalize, std::forward<Functionalize>(functionalize));
+  impl(
+      c10::DispatchKey::Functionalize,
+      std::forward<Functionalize>(functionalize));
 }
 
 // What an Autograd kernel does when the call needs no graph: the same
@@ -56,7 +63,8 @@ auto redispatch_below_autograd(
     c10::DispatchKeySet keys,
     Args&&... args) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return op.redispatch(keys & c10::after_ADInplaceOrView_keyset, std::forward<Args>(args)...);
+  return op.redispatch(
+      keys & c10::after_ADInplaceOrView_keyset, std::forward<Args>(args)...);
 }
 
 } // namespace torchleaf::ops

@@ -33,7 +33,8 @@ TensorList call_fake(
   copy_aliased_outputs(outputs, flat.tensors);
   // Every fake kernel comes here when a graph is traced: what the graph will
   // assume about this call's outputs, checked on every real call (run_real).
-  entry.fake_outputs.record(site.plan, flat.tensors, outputs, strides_relied_on);
+  entry.fake_outputs.record(
+      site.plan, flat.tensors, outputs, strides_relied_on);
   return outputs;
 }
 
@@ -95,7 +96,8 @@ std::tuple<TensorList, at::Tensor> run_forward(
   auto flat = merge_inputs(*entry, inputs, mutated);
   auto mask = capture_mask(*entry, flat, differentiable);
   CallSite site{plan};
-  auto call = run_real_captured(*entry, flat.tensors, flat.is_mutable, site, mask);
+  auto call =
+      run_real_captured(*entry, flat.tensors, flat.is_mutable, site, mask);
   std::shared_ptr<CapturedState> state = std::move(call.state);
   if (state == nullptr) { // nothing differentiable: an empty graph
     state = std::make_shared<CapturedState>();
@@ -128,8 +130,9 @@ std::tuple<TensorList, at::Tensor> forward_mutating_meta(
     at::TensorList inputs,
     at::TensorList mutated,
     at::IntArrayRef /*differentiable*/) {
-  return {call_mutating_meta(leaf, plan, inputs, mutated),
-          at::empty({}, at::TensorOptions().dtype(at::kLong).device(at::kMeta))};
+  return {
+      call_mutating_meta(leaf, plan, inputs, mutated),
+      at::empty({}, at::TensorOptions().dtype(at::kLong).device(at::kMeta))};
 }
 
 std::tuple<TensorList, at::Tensor> forward_meta(
@@ -181,7 +184,8 @@ TensorList backward_kernel(
 
 at::Tensor stack_handles_meta(at::TensorList handles) {
   TORCH_CHECK(!handles.empty(), "stack_handles: no handles");
-  std::vector<c10::SymInt> sizes{c10::SymInt(static_cast<int64_t>(handles.size()))};
+  std::vector<c10::SymInt> sizes{
+      c10::SymInt(static_cast<int64_t>(handles.size()))};
   const auto shape = handles[0].sym_sizes();
   sizes.insert(sizes.end(), shape.begin(), shape.end());
   return at::empty_symint(sizes, handles[0].options().device(c10::kMeta));
@@ -197,8 +201,8 @@ TensorList backward_meta(
   // as its replay does not (the state keeps what it needs).
   auto entry = find_leaf(leaf);
   TensorList out;
-  for (const auto& meta :
-       decode_input_meta(entry ? entry->name : c10::str("<id ", leaf, ">"), input_meta)) {
+  for (const auto& meta : decode_input_meta(
+           entry ? entry->name : c10::str("<id ", leaf, ">"), input_meta)) {
     out.push_back(at::empty_symint(
         meta.sizes, at::TensorOptions().dtype(meta.dtype).device(at::kMeta)));
   }

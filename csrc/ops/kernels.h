@@ -139,7 +139,10 @@ std::tuple<TensorList, at::Tensor> forward_mutating_functionalize(
 
 // Autograd kernels (autograd/leaf_autograd.cpp). forward_mutating and
 // forward_functional take the boxed forward_autograd_kernel.
-TensorList call_autograd_kernel(int64_t leaf, int64_t plan, at::TensorList inputs);
+TensorList call_autograd_kernel(
+    int64_t leaf,
+    int64_t plan,
+    at::TensorList inputs);
 TensorList call_mutating_autograd_kernel(
     int64_t leaf,
     int64_t plan,

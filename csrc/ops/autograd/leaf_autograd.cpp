@@ -11,8 +11,8 @@
 // costs what the function's own backward costs, with no replay.
 
 #include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/core/stack.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -21,9 +21,9 @@
 #include "../../capture.h"
 #include "../../profiler_range.h"
 #include "../../state.h"
+#include "../../torch_private.h"
 #include "../kernels.h"
 #include "../leaf_ops.h"
-#include "../../torch_private.h"
 
 namespace torchleaf::ops {
 
@@ -36,7 +36,8 @@ namespace {
 // A tensor that a torch.func transform wraps (grad or vmap).
 bool is_functorch_wrapped(const at::Tensor& t) {
   constexpr auto keys = c10::DispatchKeySet(
-      {c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::FuncTorchBatched});
+      {c10::DispatchKey::FuncTorchGradWrapper,
+       c10::DispatchKey::FuncTorchBatched});
   return t.defined() && t.key_set().has_any(keys);
 }
 
@@ -69,7 +70,8 @@ struct LeafRefusedBackward final : public Node {
   }
 
   // Compiled autograd: raises the same error while tracing the backward.
-  void compiled_args(torch_private::CompiledNodeArgs& /*args*/) const override {}
+  void compiled_args(torch_private::CompiledNodeArgs& /*args*/) const override {
+  }
   variable_list apply_with_saved(
       const variable_list& inputs,
       torch_private::SwapSavedVariables& /*saved*/) override {
@@ -90,14 +92,16 @@ torch::autograd::Edge refuse_backward_through(
     const variable_list& inputs,
     TensorList& outputs,
     const torch::autograd::Edge& extra = {}) {
-  auto node = c10::make_intrusive<LeafRefusedBackward>(std::move(entry), std::move(message));
+  auto node = c10::make_intrusive<LeafRefusedBackward>(
+      std::move(entry), std::move(message));
   auto edges = torch_private::collect_next_edges(inputs);
   if (extra.is_valid()) {
     edges.push_back(extra);
   }
   node->set_next_edges(std::move(edges));
   for (auto& t : outputs) {
-    if (!t.defined() || !torch::autograd::isDifferentiableType(t.scalar_type())) {
+    if (!t.defined() ||
+        !torch::autograd::isDifferentiableType(t.scalar_type())) {
       continue;
     }
     for (const auto& in : inputs) {
@@ -143,8 +147,8 @@ struct LeafBackward final : public Node {
     c10::List<std::optional<at::Tensor>> g;
     g.reserve(grads.size());
     for (auto& t : grads) {
-      g.push_back(t.defined() ? std::optional<at::Tensor>(std::move(t))
-                              : std::nullopt);
+      g.push_back(
+          t.defined() ? std::optional<at::Tensor>(std::move(t)) : std::nullopt);
     }
     TensorList input_grads;
     if (is_functorch_wrapped(state_)) {
@@ -230,7 +234,10 @@ TensorList call_mutating_autograd_kernel(
   return ops::call(leaf, plan, inputs, mutated);
 }
 
-TensorList call_autograd_kernel(int64_t leaf, int64_t plan, at::TensorList inputs) {
+TensorList call_autograd_kernel(
+    int64_t leaf,
+    int64_t plan,
+    at::TensorList inputs) {
   return call_mutating_autograd_kernel(leaf, plan, inputs, {});
 }
 
@@ -340,19 +347,28 @@ std::tuple<TensorList, at::Tensor> forward_unboxed_autograd_kernel(
       tracked = tracked || (t.defined() && t.requires_grad());
     }
   }
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("torchleaf::forward", "");
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("torchleaf::forward", "");
   static const auto typed = op.typed<std::tuple<TensorList, at::Tensor>(
       int64_t, int64_t, at::TensorList, at::IntArrayRef)>();
   if (tracked) {
     torch::jit::Stack stack{
-        leaf, plan, c10::List<at::Tensor>(inputs.vec()), c10::List<int64_t>(differentiable.vec())};
+        leaf,
+        plan,
+        c10::List<at::Tensor>(inputs.vec()),
+        c10::List<int64_t>(differentiable.vec())};
     forward_autograd_kernel(op, keys, &stack);
-    return {std::move(stack[0]).toTensorVector(), std::move(stack[1]).toTensor()};
+    return {
+        std::move(stack[0]).toTensorVector(), std::move(stack[1]).toTensor()};
   }
   check_no_forward_tangents(leaf, inputs, {});
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return typed.redispatch(
-      keys & c10::after_ADInplaceOrView_keyset, leaf, plan, inputs, differentiable);
+      keys & c10::after_ADInplaceOrView_keyset,
+      leaf,
+      plan,
+      inputs,
+      differentiable);
 }
 
 // Autograd kernel of backward, reached the same way. A gradient that
@@ -369,7 +385,8 @@ TensorList backward_autograd_kernel(
   // lookup on each step, and a backward (or, traced lazily as Inductor does,
   // its fake) works after the leaf was deleted, as the replay needs only the
   // state.
-  const bool real_handle = !is_functorch_wrapped(state) && is_concrete_handle(state);
+  const bool real_handle =
+      !is_functorch_wrapped(state) && is_concrete_handle(state);
   auto captured = real_handle ? lookup_state(state, leaf) : nullptr;
   auto entry = captured ? captured->entry : find_leaf(leaf);
   TensorList defined;
@@ -380,7 +397,8 @@ TensorList backward_autograd_kernel(
     }
   }
   // A jvp of a vjp (jacfwd of jacrev): the tangents are on the gradients.
-  const std::string unregistered = entry ? std::string() : c10::str("<id ", leaf, ">");
+  const std::string unregistered =
+      entry ? std::string() : c10::str("<id ", leaf, ">");
   check_no_forward_tangents(entry ? entry->name : unregistered, defined, {});
   TensorList out;
   {
@@ -403,14 +421,15 @@ TensorList backward_autograd_kernel(
   if (!tracked.empty() || outer.is_valid()) {
     refuse_backward_through(
         entry ? std::move(entry) : get_leaf(leaf),
-        c10::str("computed a gradient that is being differentiated again", kTwiceDifferentiated),
+        c10::str(
+            "computed a gradient that is being differentiated again",
+            kTwiceDifferentiated),
         tracked,
         out,
         outer);
   }
   return out;
 }
-
 
 bool is_plain_eager(at::TensorList inputs, at::TensorList mutated) {
   constexpr auto tracing_keys = c10::DispatchKeySet({
@@ -423,7 +442,8 @@ bool is_plain_eager(at::TensorList inputs, at::TensorList mutated) {
       c10::DispatchKey::FuncTorchBatched,
       c10::DispatchKey::PreDispatch,
   });
-  if (torch_private::tls_local_dispatch_key_set().included_.has_any(tracing_keys)) {
+  if (torch_private::tls_local_dispatch_key_set().included_.has_any(
+          tracing_keys)) {
     return false;
   }
   // Meta tensors must reach the Meta kernel (the fake), so they take the
@@ -496,7 +516,8 @@ std::optional<TensorList> call_autograd(
           entry.name,
           i < declared.size()
               ? c10::str("declares input ", declared[i], " mutable")
-              : c10::str("received tensor ", i, " of its mutates_args arguments"),
+              : c10::str(
+                    "received tensor ", i, " of its mutates_args arguments"),
           " but it requires grad; in-place mutation of differentiable inputs "
           "is not supported. Pass a tensor that does not require grad (e.g. a "
           "buffer) or return the new value instead.");
@@ -506,7 +527,8 @@ std::optional<TensorList> call_autograd(
     return std::nullopt;
   }
   if (is_plain_eager(inputs, mutated)) {
-    return call_eager_differentiable(entry, inputs, mutated, differentiable, site);
+    return call_eager_differentiable(
+        entry, inputs, mutated, differentiable, site);
   }
 
   std::vector<c10::SymInt> input_meta;
@@ -517,11 +539,15 @@ std::optional<TensorList> call_autograd(
   at::Tensor state;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    std::tie(outputs, state) = ops::forward(entry.id, site.plan, inputs, mutated, differentiable);
+    std::tie(outputs, state) =
+        ops::forward(entry.id, site.plan, inputs, mutated, differentiable);
   }
   held_by_its_handle_alone(state);
   auto node = c10::make_intrusive<LeafBackward>(
-      entry.shared_from_this(), std::move(state), std::move(differentiable), std::move(input_meta));
+      entry.shared_from_this(),
+      std::move(state),
+      std::move(differentiable),
+      std::move(input_meta));
   node->set_next_edges(torch_private::collect_next_edges(inputs));
   for (auto& out : outputs) {
     if (torch::autograd::isDifferentiableType(out.scalar_type())) {
