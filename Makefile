@@ -107,3 +107,16 @@ docs: build
 # `make test` builds the docs too (about 1 minute here, the tutorials
 # included), so a broken tutorial or reference fails the suite.
 test: docs
+
+# C++ formatting (.clang-format: PyTorch's style) of csrc/, include/ and
+# tests/cpp/. format-check fails on any file clang-format would change
+# (make check runs it); format rewrites them. Debian: apt-get install clang-format.
+CLANG_FORMAT ?= clang-format
+FORMAT_FILES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'include/*.h' 'tests/cpp/*.cpp' 'tests/cpp/*.h')
+.PHONY: format format-check
+
+format-check:
+	$(CLANG_FORMAT) --dry-run -Werror $(FORMAT_FILES)
+
+format:
+	$(CLANG_FORMAT) -i $(FORMAT_FILES)

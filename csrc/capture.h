@@ -1,58 +1,77 @@
 #pragma once
 
+// Running a leaf's real function on a call's tensors (capture.cpp), with or
+// without capturing the autograd graph it builds; its fake (checks.cpp); and
+// connecting a captured graph to an eager caller's (attach.cpp). Replay of a
+// captured graph is in replay.h.
+
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/version.h>
 
 #include <memory>
 #include <optional>
 #include <vector>
 
 #include "registry.h"
+#include "replay.h"
 #include "state.h"
-
-// replay's inline path (capture.cpp) re-implements the slice of
-// torch::autograd::Engine::execute that a small CPU graph needs, on engine
-// internals with no stability promise: InputBuffer's accumulation and
-// signature, validate_outputs, what a graph task's exec_info means, which
-// hooks a Node can carry. It is verified against PyTorch 2.13 only
-// (tests/cpp/test_replay.cpp compares it with the engine); built against any
-// other release, it is compiled out and every replay uses the engine, which
-// is always right.
-#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 13
-#define TORCHLEAF_INLINE_REPLAY_SUPPORTED 1
-#else
-#define TORCHLEAF_INLINE_REPLAY_SUPPORTED 0
-#endif
 
 namespace torchleaf {
 
-// Runs `entry`'s real function on `inputs` (flat order; `mutable_inputs[i]`
-// says whether input i may be mutated in place, empty: none) and checks the
-// call (undeclared mutation, optional output validation). Outputs never
-// alias inputs and carry no autograd history, except for eager callers
-// (`caller_edges`), whose outputs keep the captured graph's history for
-// attach_to_caller.
-//
-// With a `capture_mask` (empty: none) that selects at least one input, the
-// function runs under grad mode on aliases of the selected inputs that are
-// cut off from the caller's graph, and the graph it builds is returned in
-// `*state`. Eager callers pass `caller_edges` (one per selected input) for
-// attach_to_caller.
-//
+// The three ways to run a leaf's real function. Each runs `entry`'s real
+// function on `inputs` (flat order; `mutable_inputs[i]` says whether input i
+// may be mutated in place, empty: none) on aliases of the inputs cut off
+// from the caller's graph, and checks the call (undeclared mutation,
+// escaped gradients, optional output validation, the traced fake's outputs).
 // `site` carries the call's plan and arguments to the implementation, and
 // receives its output description.
+
+// No input is differentiable (the dense kernel of every leaf operator). The
+// outputs are the call's own: they never alias inputs or anything else that
+// holds them (copies where needed), and carry no autograd history.
 TensorList run_real(
     const LeafEntry& entry,
     const TensorList& inputs,
     c10::ArrayRef<bool> mutable_inputs,
+    CallSite& site);
+
+// The outputs of a capturing call, and the graph it captured (nullptr when
+// nothing was captured).
+struct CapturedCall {
+  TensorList outputs;
+  std::shared_ptr<CapturedState> state;
+};
+
+// torchleaf::forward's kernel: the function runs under grad mode with the
+// inputs that `capture_mask` selects as the captured graph's inputs, and the
+// graph it builds is returned with the outputs, which are as run_real's.
+// When the mask selects no input, this is run_real (and the state nullptr).
+CapturedCall run_real_captured(
+    const LeafEntry& entry,
+    const TensorList& inputs,
+    c10::ArrayRef<bool> mutable_inputs,
     CallSite& site,
-    c10::ArrayRef<bool> capture_mask = {},
-    std::shared_ptr<CapturedState>* state = nullptr,
-    const torch::autograd::edge_list* caller_edges = nullptr);
+    c10::ArrayRef<bool> capture_mask);
+
+// An eager differentiable call: captures as run_real_captured for the
+// inputs `capture_mask` selects (at least one), whose edges in the caller's
+// graph are `caller_edges` (one per selected input, in flat order), and
+// attaches the captured graph to the caller's (attach_to_caller): the
+// outputs keep its history. `captured_inputs` are the selected inputs.
+TensorList run_real_attached(
+    const LeafEntry& entry,
+    const TensorList& inputs,
+    c10::ArrayRef<bool> mutable_inputs,
+    CallSite& site,
+    c10::ArrayRef<bool> capture_mask,
+    const torch::autograd::edge_list& caller_edges,
+    const TensorList& captured_inputs);
 
 // Runs `entry`'s fake function, or fails with "requires a fake implementation".
-TensorList run_fake(const LeafEntry& entry, const TensorList& inputs, CallSite& site);
+TensorList run_fake(
+    const LeafEntry& entry,
+    const TensorList& inputs,
+    CallSite& site);
 
 // Replaces each output that aliases an input or an earlier output by a copy:
 // an operator's outputs are its own. Real calls (run_real) and fake ones
@@ -60,20 +79,6 @@ TensorList run_fake(const LeafEntry& entry, const TensorList& inputs, CallSite& 
 // * 3`, would tell a graph that the outputs share memory, and it would read
 // one output's values for another) alike.
 void copy_aliased_outputs(TensorList& outputs, const TensorList& inputs);
-
-// Backpropagates `grads` (one per output; nullopt/undefined: no gradient)
-// through `state`'s graph and returns one gradient per captured input, zeros
-// where nothing flows. Never frees the graph.
-TensorList replay(
-    const CapturedState& state,
-    const std::vector<std::optional<at::Tensor>>& grads);
-
-// Whether running `fn` can never run Python code: PyTorch's derivative
-// formulas and torchleaf's own nodes. A replay of such nodes only leaves
-// PyTorch's stashed Python context in place (see PythonContextSetAside in
-// capture.cpp); any other node (an autograd.Function's, a compiled
-// function's backward, a C++ extension's) counts as Python.
-TORCHLEAF_API bool runs_without_python(const torch::autograd::Node& fn);
 
 // Eager mode: connects a captured call straight into the caller's graph, so
 // that backward runs the captured graph as part of the caller's backward (no

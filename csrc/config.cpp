@@ -2,7 +2,7 @@
 
 #include <atomic>
 
-#include "capture.h"
+#include "replay.h" // TORCHLEAF_INLINE_REPLAY_SUPPORTED
 
 namespace torchleaf {
 namespace {

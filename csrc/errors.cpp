@@ -23,7 +23,9 @@ void note_foreign_error(const std::string& note) {
   }
 }
 
-void throw_leaf_error(const std::string& leaf_name, const std::string& message) {
+void throw_leaf_error(
+    const std::string& leaf_name,
+    const std::string& message) {
   std::string full = "torchleaf: leaf function '" + leaf_name + "' " + message;
   if (auto thrower = g_thrower.load()) {
     thrower(full); // must throw

@@ -1,8 +1,6 @@
 // Public C++ API: defining leaf functions as named operators and calling them.
 
-#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -10,6 +8,7 @@
 #include <torchleaf/errors.h>
 #include <torchleaf/leaf.h>
 
+#include "ops/kernel_wiring.h"
 #include "ops/leaf_ops.h"
 #include "registry.h"
 
@@ -29,55 +28,57 @@ c10::TypedOperatorHandle<Signature> typed_op(const LeafEntry& entry) {
 // Registers the kernels of a named leaf operator: the same work as
 // torchleaf::call's, bound to one entry. Unboxed, so that a call from C++
 // costs no boxing.
-void register_kernels(torch::Library& lib, const std::string& name, const LeafEntry* entry) {
-  const bool mutating = !entry->options.mutates_inputs.empty();
-  auto dispatch = [&](c10::DispatchKey key, auto&& kernel) {
-    lib.impl(name.c_str(), torch::dispatch(key, torch::CppFunction(std::forward<decltype(kernel)>(kernel))));
-  };
-  if (!mutating) {
-    dispatch(c10::DispatchKey::CompositeExplicitAutograd, [entry](at::TensorList in) {
-      CallSite site;
-      return ops::call_real(*entry, in, {}, site);
-    });
-    dispatch(c10::DispatchKey::Meta, [entry](at::TensorList in) {
-      CallSite site;
-      return ops::call_fake(*entry, in, {}, site);
-    });
-    dispatch(c10::DispatchKey::Autograd, [entry](c10::DispatchKeySet keys, at::TensorList in) {
-      CallSite site;
-      if (auto out = ops::call_autograd(*entry, in, {}, site)) {
-        return std::move(*out);
-      }
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
-      return typed_op<LeafSignature>(*entry).redispatch(
-          keys & c10::after_ADInplaceOrView_keyset, in);
-    });
+void register_kernels(
+    torch::Library& lib,
+    const std::string& name,
+    const LeafEntry* entry) {
+  if (entry->options.mutates_inputs.empty()) {
+    ops::register_leaf_kernels(
+        lib,
+        name.c_str(),
+        [entry](at::TensorList in) {
+          CallSite site;
+          return ops::call_real(*entry, in, {}, site);
+        },
+        [entry](at::TensorList in) {
+          CallSite site;
+          return ops::call_fake(*entry, in, {}, site);
+        },
+        [entry](c10::DispatchKeySet keys, at::TensorList in) {
+          CallSite site;
+          if (auto out = ops::call_autograd(*entry, in, {}, site)) {
+            return std::move(*out);
+          }
+          return ops::redispatch_below_autograd(
+              typed_op<LeafSignature>(*entry), keys, in);
+        });
     return;
   }
-  dispatch(c10::DispatchKey::CompositeExplicitAutograd,
-           [entry](at::TensorList in, at::TensorList mutated) {
-             CallSite site;
-             return ops::call_real(*entry, in, mutated, site);
-           });
-  dispatch(c10::DispatchKey::Meta, [entry](at::TensorList in, at::TensorList mutated) {
-    CallSite site;
-    return ops::call_fake(*entry, in, mutated, site);
-  });
-  dispatch(c10::DispatchKey::Autograd,
-           [entry](c10::DispatchKeySet keys, at::TensorList in, at::TensorList mutated) {
-             CallSite site;
-             if (auto out = ops::call_autograd(*entry, in, mutated, site)) {
-               return std::move(*out);
-             }
-             at::AutoDispatchBelowADInplaceOrView below_autograd;
-             return typed_op<MutatingLeafSignature>(*entry).redispatch(
-                 keys & c10::after_ADInplaceOrView_keyset, in, mutated);
-           });
-  // Functionalization: the same as torchleaf::call_mutating's.
-  lib.impl(name.c_str(), torch::dispatch(c10::DispatchKey::Functionalize,
-      torch::CppFunction([entry](at::TensorList in, at::TensorList mutated) {
-        return ops::call_mutating_functionalize(entry->id, /*plan=*/0, in, mutated);
-      })));
+  ops::register_leaf_kernels(
+      lib,
+      name.c_str(),
+      [entry](at::TensorList in, at::TensorList mutated) {
+        CallSite site;
+        return ops::call_real(*entry, in, mutated, site);
+      },
+      [entry](at::TensorList in, at::TensorList mutated) {
+        CallSite site;
+        return ops::call_fake(*entry, in, mutated, site);
+      },
+      [entry](
+          c10::DispatchKeySet keys, at::TensorList in, at::TensorList mutated) {
+        CallSite site;
+        if (auto out = ops::call_autograd(*entry, in, mutated, site)) {
+          return std::move(*out);
+        }
+        return ops::redispatch_below_autograd(
+            typed_op<MutatingLeafSignature>(*entry), keys, in, mutated);
+      },
+      // The same as torchleaf::call_mutating's.
+      [entry](at::TensorList in, at::TensorList mutated) {
+        return ops::call_mutating_functionalize(
+            entry->id, /*plan=*/0, in, mutated);
+      });
 }
 
 } // namespace
@@ -148,11 +149,12 @@ LeafFunction define_leaf(
   const std::string schema = name +
       (has_mutated ? "(Tensor[] inputs, Tensor(a!)[] mutated) -> Tensor[]"
                    : "(Tensor[] inputs) -> Tensor[]");
-  const auto tags = ops::leaf_operator_tags(); // (a named list: see leaf_ops.cpp)
+  const auto tags =
+      ops::leaf_operator_tags(); // (a named list: see leaf_ops.cpp)
   lib->def(schema.c_str(), tags);
   register_kernels(*lib, name, entry.get());
-  entry->named_op =
-      c10::Dispatcher::singleton().findSchemaOrThrow(qualified_name.c_str(), "");
+  entry->named_op = c10::Dispatcher::singleton().findSchemaOrThrow(
+      qualified_name.c_str(), "");
   entry->library = std::move(lib);
   const LeafEntry* published = entry.get(); // immortal once registered
   register_leaf(std::move(entry));

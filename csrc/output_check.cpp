@@ -43,8 +43,9 @@ Meta meta_of(const at::Tensor& t, bool with_strides = true) {
 
 bool same(const Meta& a, const Meta& b) {
   return a.known == b.known && a.dtype_known == b.dtype_known &&
-      a.device_known == b.device_known && a.strided == b.strided && a.dtype == b.dtype &&
-      a.device == b.device && a.sizes == b.sizes && a.strides == b.strides;
+      a.device_known == b.device_known && a.strided == b.strided &&
+      a.dtype == b.dtype && a.device == b.device && a.sizes == b.sizes &&
+      a.strides == b.strides;
 }
 
 bool same_inputs(const std::vector<Meta>& a, const std::vector<Meta>& b) {
@@ -68,8 +69,10 @@ void merge(Meta& into, const Meta& other) {
     into = Meta{};
     return;
   }
-  into.dtype_known = into.dtype_known && other.dtype_known && into.dtype == other.dtype;
-  into.device_known = into.device_known && other.device_known && into.device == other.device;
+  into.dtype_known =
+      into.dtype_known && other.dtype_known && into.dtype == other.dtype;
+  into.device_known =
+      into.device_known && other.device_known && into.device == other.device;
   for (size_t d = 0; d < into.sizes.size(); ++d) {
     if (into.sizes[d] != other.sizes[d]) {
       into.sizes[d] = kUnknown;
@@ -124,7 +127,8 @@ bool input_matches(const Meta& m, const at::Tensor& t, bool& strides_match) {
     }
     const auto strides = t.strides();
     for (size_t d = 0; d < sizes.size(); ++d) {
-      if (sizes[d] > 1 && m.strides[d] != kUnknown && m.strides[d] != strides[d]) {
+      if (sizes[d] > 1 && m.strides[d] != kUnknown &&
+          m.strides[d] != strides[d]) {
         strides_match = false;
         break;
       }
@@ -149,7 +153,10 @@ std::string show(c10::ArrayRef<int64_t> values) {
 }
 
 // Empty when `out` agrees with what the fake gave; otherwise what differs.
-std::string output_mismatch(const Meta& m, const at::Tensor& out, bool check_strides) {
+std::string output_mismatch(
+    const Meta& m,
+    const at::Tensor& out,
+    bool check_strides) {
   if (!m.known || !readable(out)) {
     return {};
   }
@@ -160,24 +167,33 @@ std::string output_mismatch(const Meta& m, const at::Tensor& out, bool check_str
   }
   if (!sizes_ok) {
     return c10::str(
-        sizes.size() == m.sizes.size() ? "shape " : c10::str(sizes.size(), "-d shape "),
+        sizes.size() == m.sizes.size() ? "shape "
+                                       : c10::str(sizes.size(), "-d shape "),
         show(sizes),
         " but the fake implementation returned ",
-        sizes.size() == m.sizes.size() ? "shape " : c10::str(m.sizes.size(), "-d shape "),
+        sizes.size() == m.sizes.size() ? "shape "
+                                       : c10::str(m.sizes.size(), "-d shape "),
         show(m.sizes));
   }
   if (m.dtype_known && out.scalar_type() != m.dtype) {
     return c10::str(
-        "dtype ", out.scalar_type(), " but the fake implementation returned dtype ", m.dtype);
+        "dtype ",
+        out.scalar_type(),
+        " but the fake implementation returned dtype ",
+        m.dtype);
   }
   if (m.device_known && out.device() != m.device) {
     return c10::str(
-        "device ", out.device(), " but the fake implementation returned device ", m.device);
+        "device ",
+        out.device(),
+        " but the fake implementation returned device ",
+        m.device);
   }
   if (check_strides && m.strided && out.layout() == at::kStrided) {
     const auto strides = out.strides();
     for (size_t d = 0; d < sizes.size(); ++d) {
-      if (sizes[d] > 1 && m.strides[d] != kUnknown && m.strides[d] != strides[d]) {
+      if (sizes[d] > 1 && m.strides[d] != kUnknown &&
+          m.strides[d] != strides[d]) {
         return c10::str(
             "strides ",
             show(strides),
@@ -288,7 +304,8 @@ void FakeOutputRecords::check(
       for (size_t i = 0; why.empty() && i < outputs.size(); ++i) {
         auto what = output_mismatch(rec.outputs[i], outputs[i], strides_match);
         if (!what.empty()) {
-          why = c10::str("output ", i, " has ", what, " when the graph was traced");
+          why = c10::str(
+              "output ", i, " has ", what, " when the graph was traced");
         }
       }
       if (strides_match) {

@@ -75,7 +75,8 @@ class FakeOutputRecords {
     bool known = false; // false: nothing is checked (nested tensors, ...)
     bool dtype_known = true;
     bool device_known = true;
-    bool strided = true; // strides recorded (a layout with strides, and a trace that relies on them)
+    bool strided = true; // strides recorded (a layout with strides, and a trace
+                         // that relies on them)
     at::ScalarType dtype = at::ScalarType::Undefined;
     c10::Device device = c10::Device(c10::DeviceType::CPU);
     c10::SmallVector<int64_t, 6> sizes; // kUnknown where symbolic or differing

@@ -43,7 +43,8 @@ struct Registry {
   const bool stable_ids = stable_ids_requested();
   const int64_t prefix = random_prefix();
   int64_t next_counter = 0; // under `mutex`
-  std::unordered_map<std::string, int64_t> definitions; // name -> Python leaves so named
+  std::unordered_map<std::string, int64_t>
+      definitions; // name -> Python leaves so named
   std::shared_mutex mutex;
   std::unordered_map<int64_t, std::shared_ptr<LeafEntry>> by_id;
   std::unordered_map<std::string, int64_t> named; // name -> id
@@ -72,10 +73,13 @@ bool is_identifier(const std::string& s) {
 
 } // namespace
 
-std::pair<std::string, std::string> split_qualified_name(const std::string& qualified_name) {
+std::pair<std::string, std::string> split_qualified_name(
+    const std::string& qualified_name) {
   const auto sep = qualified_name.find("::");
-  std::string ns = sep == std::string::npos ? "" : qualified_name.substr(0, sep);
-  std::string name = sep == std::string::npos ? "" : qualified_name.substr(sep + 2);
+  std::string ns =
+      sep == std::string::npos ? "" : qualified_name.substr(0, sep);
+  std::string name =
+      sep == std::string::npos ? "" : qualified_name.substr(sep + 2);
   TORCHLEAF_CHECK(
       is_identifier(ns) && is_identifier(name),
       qualified_name,
@@ -187,7 +191,8 @@ int64_t register_leaf(std::shared_ptr<LeafEntry> entry) {
     // compile caches; never an id a dead leaf had (k only grows).
     int64_t& k = reg.definitions[entry->name];
     const int64_t prefix =
-        static_cast<int64_t>(fnv1a(entry->name) & ((uint64_t{1} << 37) - 1)) | 1;
+        static_cast<int64_t>(fnv1a(entry->name) & ((uint64_t{1} << 37) - 1)) |
+        1;
     do {
       TORCH_CHECK(
           k < (int64_t{1} << kCounterBits),

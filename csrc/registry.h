@@ -25,21 +25,28 @@ struct CallSite {
   // Which call structure of the leaf this is (Python leaves: an index into
   // the leaf's call plans, baked into traced graphs); 0 for C++ leaves.
   int64_t plan = 0;
-  // The caller's non-tensor arguments, opaque to the core (eager Python
-  // calls pass a borrowed PyObject*), or nullptr when the call comes from a
-  // graph and everything must be rebuilt from `plan` and the tensors.
-  void* arguments = nullptr;
+  // The frontend's own payload for its implementation of the leaf: owned by
+  // the frontend that made the call (the Python bindings: a borrowed
+  // PyObject*, the eager call's non-tensor arguments) for the call's
+  // duration. Opaque to the core, which only hands it to the leaf's real and
+  // fake implementations. nullptr for calls from a graph, whose
+  // implementation rebuilds everything from `plan` and the tensors.
+  void* frontend_payload = nullptr;
+  // Set by the caller when it takes the outputs as the function returned
+  // them (an eager call, whose outputs no graph owns): the core then copies
+  // no output because something else holds it (aliases of inputs and of
+  // other outputs are still copied).
+  bool outputs_as_returned = false;
   // Set by the real implementation: a description of its outputs that the
   // caller receives with them (Python leaves: the output pytree), and that
   // output validation passes on to the fake implementation.
   std::shared_ptr<void> result{};
   // Set by a real implementation that can tell which of its outputs
   // something besides the call still holds (Python leaves: a global, a cache
-  // or a module attribute holds its PyObject): those outputs, and
-  // `outputs_held_known`. Unknown: the core counts each output's references,
-  // which is exact for tensors without a PyObject.
-  c10::SmallVector<const c10::TensorImpl*, 4> outputs_held{};
-  bool outputs_held_known = false;
+  // or a module attribute holds its PyObject): those outputs. Unset: the
+  // core counts each output's references, which is exact for tensors that
+  // only C++ holds.
+  std::optional<c10::SmallVector<const c10::TensorImpl*, 4>> outputs_held{};
 };
 
 // One flag per flat input of a call (mutable, captured), with inline room

@@ -1,4 +1,5 @@
 #include "state.h"
+#include "torch_private.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Storage.h>
@@ -8,9 +9,6 @@
 #include <mutex>
 #include <unordered_map>
 #include <vector>
-
-#include <ATen/SavedTensorHooks.h>
-#include <torch/csrc/autograd/graph_task.h>
 
 #include <torchleaf/errors.h>
 #include <torchleaf/leaf.h>
@@ -68,10 +66,14 @@ bool is_stacked_handle_storage(const at::Tensor& handle) {
 }
 
 // The state of the element of `storage` at `offset`, or nullptr.
-std::shared_ptr<CapturedState> state_at(const c10::Storage& storage, int64_t offset) {
+std::shared_ptr<CapturedState> state_at(
+    const c10::Storage& storage,
+    int64_t offset) {
   const auto& data = storage.data_ptr();
   if (data.get_deleter() == &release_handle) {
-    return offset == 0 ? static_cast<const HandleBox*>(data.get_context())->state : nullptr;
+    return offset == 0
+        ? static_cast<const HandleBox*>(data.get_context())->state
+        : nullptr;
   }
   if (data.get_deleter() == &release_stacked_handle) {
     const auto* box = static_cast<const StackedHandleBox*>(data.get_context());
@@ -87,7 +89,7 @@ std::atomic<SavedHookMayCopy> g_saved_hook_may_copy{nullptr};
 // Whether saved-tensor hooks are active that may save a copy of a handle
 // (which then finds its state by value: see make_state_handle).
 bool hooks_may_copy_handles() {
-  const auto hooks = at::SavedTensorDefaultHooks::get_hooks(/*ignore_is_tracing=*/true);
+  const auto hooks = torch_private::saved_tensor_default_hooks();
   if (!hooks.has_value()) {
     return false;
   }
@@ -110,7 +112,8 @@ LiveStateCounter::~LiveStateCounter() {
 }
 
 at::Tensor make_state_handle(std::shared_ptr<CapturedState> state) {
-  const int64_t value = g_next_handle_value.fetch_add(1, std::memory_order_relaxed);
+  const int64_t value =
+      g_next_handle_value.fetch_add(1, std::memory_order_relaxed);
   if (hooks_may_copy_handles()) {
     auto& kept = kept_states();
     std::lock_guard<std::mutex> lock(kept.mutex);
@@ -153,7 +156,9 @@ std::shared_ptr<CapturedState> lookup_state(
       handle.scalar_type() == at::kLong && handle.dim() == 0;
   std::shared_ptr<CapturedState> state;
   if (well_formed && is_handle_storage(handle)) {
-    state = static_cast<const HandleBox*>(handle.storage().data_ptr().get_context())->state;
+    state =
+        static_cast<const HandleBox*>(handle.storage().data_ptr().get_context())
+            ->state;
   } else if (well_formed && is_stacked_handle_storage(handle)) {
     state = state_at(handle.storage(), handle.storage_offset());
   } else if (well_formed) { // a copy made by a saved-tensor hook?
@@ -168,7 +173,8 @@ std::shared_ptr<CapturedState> lookup_state(
       state != nullptr,
       entry.name,
       "backward received a state argument that is not a state handle (",
-      handle.defined() ? c10::str(handle.toString(), handle.sizes()) : "undefined",
+      handle.defined() ? c10::str(handle.toString(), handle.sizes())
+                       : "undefined",
       "), or a copy of one whose state was released. Pass the 0-dim int64 "
       "handle that torchleaf::forward returned for this call; a copy (such "
       "as a saved-tensor hook makes) is only valid until a backward that "
@@ -182,10 +188,15 @@ std::shared_ptr<CapturedState> lookup_state(
   return state;
 }
 
-std::shared_ptr<CapturedState> lookup_state(const at::Tensor& handle, int64_t leaf) {
+std::shared_ptr<CapturedState> lookup_state(
+    const at::Tensor& handle,
+    int64_t leaf) {
   if (is_concrete_handle(handle) && is_handle_storage(handle)) {
-    const auto& held = static_cast<const HandleBox*>(handle.storage().data_ptr().get_context())->state;
-    if (held->entry->id == leaf && handle.scalar_type() == at::kLong && handle.dim() == 0) {
+    const auto& held =
+        static_cast<const HandleBox*>(handle.storage().data_ptr().get_context())
+            ->state;
+    if (held->entry->id == leaf && handle.scalar_type() == at::kLong &&
+        handle.dim() == 0) {
       return held;
     }
   }
@@ -198,7 +209,8 @@ at::Tensor stack_state_handles(at::TensorList handles) {
   auto box = std::make_unique<StackedHandleBox>();
   for (const auto& h : handles) {
     TORCH_CHECK(
-        is_concrete_handle(h) && h.scalar_type() == at::kLong && h.sizes().equals(shape),
+        is_concrete_handle(h) && h.scalar_type() == at::kLong &&
+            h.sizes().equals(shape),
         "stack_state_handles: expected state handles of shape ",
         shape,
         ", got ",
@@ -219,7 +231,8 @@ at::Tensor stack_state_handles(at::TensorList handles) {
           n,
           " of a handle has no captured state (not a state handle, or a copy "
           "of one)");
-      box->values.push_back(static_cast<const int64_t*>(h.storage().data())[offset]);
+      box->values.push_back(
+          static_cast<const int64_t*>(h.storage().data())[offset]);
       box->states.push_back(std::move(state));
       for (int64_t d = h.dim() - 1; d >= 0; --d) {
         if (++index[d] < h.size(d)) {
@@ -236,7 +249,11 @@ at::Tensor stack_state_handles(at::TensorList handles) {
   c10::Storage storage(
       c10::Storage::use_byte_size_t(),
       count * sizeof(int64_t),
-      c10::DataPtr(raw->values.data(), raw, &release_stacked_handle, c10::Device(c10::kCPU)),
+      c10::DataPtr(
+          raw->values.data(),
+          raw,
+          &release_stacked_handle,
+          c10::Device(c10::kCPU)),
       /*allocator=*/nullptr,
       /*resizable=*/false);
   auto stacked = at::detail::make_tensor<c10::TensorImpl>(
@@ -273,8 +290,8 @@ void release_after_backward(const at::Tensor& handle) {
   if (kept_states().count.load(std::memory_order_relaxed) == 0) {
     return; // the usual case: no saved-tensor hooks, nothing kept
   }
-  if (torch::autograd::get_current_graph_task_id() != -1 &&
-      torch::autograd::get_current_graph_task_keep_graph()) {
+  if (torch_private::current_graph_task_id() != -1 &&
+      torch_private::current_graph_task_keep_graph()) {
     return; // retain_graph=True: a later backward may need it
   }
   forget_kept(handle);

@@ -90,7 +90,9 @@ std::shared_ptr<CapturedState> lookup_state(
 // the registry is asked only when that is not the leaf `leaf`, or the handle
 // is a copy or a stacked handle, or it is not a handle at all (errors name
 // the leaf from the registry).
-std::shared_ptr<CapturedState> lookup_state(const at::Tensor& handle, int64_t leaf);
+std::shared_ptr<CapturedState> lookup_state(
+    const at::Tensor& handle,
+    int64_t leaf);
 
 // One handle of shape [N, *S] for N handles of shape S (each a handle, or a
 // view of one that this function made): element i of the result names the

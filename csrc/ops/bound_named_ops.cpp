@@ -3,9 +3,7 @@
 
 #include "bound_named_ops.h"
 
-#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include <memory>
@@ -15,6 +13,7 @@
 #include <torchleaf/errors.h>
 
 #include "../registry.h"
+#include "kernel_wiring.h"
 #include "leaf_ops.h"
 
 namespace torchleaf::ops {
@@ -38,7 +37,8 @@ struct BoundOperator {
       : name(std::move(n)),
         mutating(m),
         library(std::move(lib)),
-        handle(c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "")) {}
+        handle(
+            c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "")) {}
 
   // The bound leaf and the plan for `call`.
   std::pair<LeafEntryPtr, int64_t> resolve(const std::string& call) {
@@ -88,76 +88,95 @@ std::unordered_map<std::string, BoundOperatorPtr>& operators() {
 }
 
 using Signature = TensorList(at::TensorList, c10::string_view);
-using MutatingSignature = TensorList(at::TensorList, at::TensorList, c10::string_view);
+using MutatingSignature =
+    TensorList(at::TensorList, at::TensorList, c10::string_view);
 
-void register_kernels(torch::Library& lib, const std::string& name, const BoundOperatorPtr& op) {
-  auto dispatch = [&](c10::DispatchKey key, auto&& kernel) {
-    lib.impl(name.c_str(), torch::dispatch(key, torch::CppFunction(std::forward<decltype(kernel)>(kernel))));
-  };
+void register_kernels(
+    torch::Library& lib,
+    const std::string& name,
+    const BoundOperatorPtr& op) {
   // One body per kernel, for both schemas: `mutated` is empty for the
   // non-mutating one.
-  auto real = [op](at::TensorList in, at::TensorList mutated, c10::string_view call) {
-    auto [leaf, plan] = op->resolve(std::string(call));
-    CallSite site{plan};
-    return call_real(*leaf, in, mutated, site);
-  };
-  auto fake = [op](at::TensorList in, at::TensorList mutated, c10::string_view call) {
-    auto [leaf, plan] = op->resolve(std::string(call));
-    CallSite site{plan};
-    return call_fake(*leaf, in, mutated, site);
-  };
-  auto autograd = [op](at::TensorList in, at::TensorList mutated, c10::string_view call)
-      -> std::optional<TensorList> {
+  auto real =
+      [op](at::TensorList in, at::TensorList mutated, c10::string_view call) {
+        auto [leaf, plan] = op->resolve(std::string(call));
+        CallSite site{plan};
+        return call_real(*leaf, in, mutated, site);
+      };
+  auto fake =
+      [op](at::TensorList in, at::TensorList mutated, c10::string_view call) {
+        auto [leaf, plan] = op->resolve(std::string(call));
+        CallSite site{plan};
+        return call_fake(*leaf, in, mutated, site);
+      };
+  auto autograd = [op](
+                      at::TensorList in,
+                      at::TensorList mutated,
+                      c10::string_view call) -> std::optional<TensorList> {
     auto [leaf, plan] = op->resolve(std::string(call));
     CallSite site{plan};
     return call_autograd(*leaf, in, mutated, site);
   };
   if (!op->mutating) {
-    dispatch(c10::DispatchKey::CompositeExplicitAutograd,
-             [real](at::TensorList in, c10::string_view call) { return real(in, {}, call); });
-    dispatch(c10::DispatchKey::Meta,
-             [fake](at::TensorList in, c10::string_view call) { return fake(in, {}, call); });
-    dispatch(c10::DispatchKey::Autograd,
-             [autograd, op](c10::DispatchKeySet keys, at::TensorList in, c10::string_view call) {
-               if (auto out = autograd(in, {}, call)) {
-                 return std::move(*out);
-               }
-               at::AutoDispatchBelowADInplaceOrView below_autograd;
-               return op->handle.typed<Signature>().redispatch(
-                   keys & c10::after_ADInplaceOrView_keyset, in, call);
-             });
+    register_leaf_kernels(
+        lib,
+        name.c_str(),
+        [real](at::TensorList in, c10::string_view call) {
+          return real(in, {}, call);
+        },
+        [fake](at::TensorList in, c10::string_view call) {
+          return fake(in, {}, call);
+        },
+        [autograd, op](
+            c10::DispatchKeySet keys,
+            at::TensorList in,
+            c10::string_view call) {
+          if (auto out = autograd(in, {}, call)) {
+            return std::move(*out);
+          }
+          return redispatch_below_autograd(
+              op->handle.typed<Signature>(), keys, in, call);
+        });
     return;
   }
-  dispatch(c10::DispatchKey::CompositeExplicitAutograd, real);
-  dispatch(c10::DispatchKey::Meta, fake);
-  dispatch(c10::DispatchKey::Autograd,
-           [autograd, op](c10::DispatchKeySet keys, at::TensorList in, at::TensorList mutated,
-                          c10::string_view call) {
-             if (auto out = autograd(in, mutated, call)) {
-               return std::move(*out);
-             }
-             at::AutoDispatchBelowADInplaceOrView below_autograd;
-             return op->handle.typed<MutatingSignature>().redispatch(
-                 keys & c10::after_ADInplaceOrView_keyset, in, mutated, call);
-           });
-  dispatch(c10::DispatchKey::Functionalize,
-           [op](at::TensorList in, at::TensorList mutated, c10::string_view call) {
-             auto [leaf, plan] = op->resolve(std::string(call));
-             return call_mutating_functionalize(leaf->id, plan, in, mutated);
-           });
+  register_leaf_kernels(
+      lib,
+      name.c_str(),
+      real,
+      fake,
+      [autograd, op](
+          c10::DispatchKeySet keys,
+          at::TensorList in,
+          at::TensorList mutated,
+          c10::string_view call) {
+        if (auto out = autograd(in, mutated, call)) {
+          return std::move(*out);
+        }
+        return redispatch_below_autograd(
+            op->handle.typed<MutatingSignature>(), keys, in, mutated, call);
+      },
+      [op](at::TensorList in, at::TensorList mutated, c10::string_view call) {
+        auto [leaf, plan] = op->resolve(std::string(call));
+        return call_mutating_functionalize(leaf->id, plan, in, mutated);
+      });
 }
 
-BoundOperatorPtr define_operator(const std::string& qualified_name, bool mutating) {
+BoundOperatorPtr define_operator(
+    const std::string& qualified_name,
+    bool mutating) {
   const auto [ns, name] = split_qualified_name(qualified_name);
   auto lib = std::make_unique<torch::Library>(
       torch::Library::FRAGMENT, ns, std::nullopt, __FILE__, __LINE__);
   const auto tags = leaf_operator_tags(); // (a named list: see leaf_ops.cpp)
-  lib->def((name +
-            (mutating ? "(Tensor[] inputs, Tensor(a!)[] mutated, str call) -> Tensor[]"
-                      : "(Tensor[] inputs, str call) -> Tensor[]"))
-               .c_str(),
-           tags);
-  auto op = std::make_shared<BoundOperator>(qualified_name, mutating, std::move(lib));
+  lib->def(
+      (name +
+       (mutating
+            ? "(Tensor[] inputs, Tensor(a!)[] mutated, str call) -> Tensor[]"
+            : "(Tensor[] inputs, str call) -> Tensor[]"))
+          .c_str(),
+      tags);
+  auto op =
+      std::make_shared<BoundOperator>(qualified_name, mutating, std::move(lib));
   register_kernels(*op->library, name, op);
   return op;
 }
@@ -179,7 +198,9 @@ void bind_named_operator(
   auto& table = operators();
   auto it = table.find(qualified_name);
   if (it == table.end()) {
-    it = table.emplace(qualified_name, define_operator(qualified_name, mutating)).first;
+    it =
+        table.emplace(qualified_name, define_operator(qualified_name, mutating))
+            .first;
   }
   BoundOperator& op = *it->second;
   TORCHLEAF_CHECK(

@@ -25,7 +25,8 @@
 namespace torchleaf::ops {
 
 // Turns a call description into a plan of leaf `leaf` (host-language code).
-using PlanResolver = std::function<int64_t(int64_t leaf, const std::string& call)>;
+using PlanResolver =
+    std::function<int64_t(int64_t leaf, const std::string& call)>;
 
 // Makes the operator `qualified_name` call leaf `leaf` (an entry of the
 // registry), defining the operator on first use. A name stays an operator

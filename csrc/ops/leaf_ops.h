@@ -33,8 +33,8 @@
 // C++ leaves also own a named operator `ns::name(Tensor[] inputs
 // [, Tensor(a!)[] mutated]) -> Tensor[]` with the same kernels as `call`.
 
-#include <ATen/core/Tensor.h>
 #include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <optional>
@@ -71,11 +71,8 @@ inline std::vector<at::Tag> leaf_operator_tags() {
 
 // Calls through the dispatcher (all keys); an empty `mutated` selects the
 // non-mutating operator.
-TORCHLEAF_API TensorList call(
-    int64_t leaf,
-    int64_t plan,
-    at::TensorList inputs,
-    at::TensorList mutated);
+TORCHLEAF_API TensorList
+call(int64_t leaf, int64_t plan, at::TensorList inputs, at::TensorList mutated);
 TORCHLEAF_API std::tuple<TensorList, at::Tensor> forward(
     int64_t leaf,
     int64_t plan,
@@ -115,7 +112,10 @@ void check_no_forward_tangents(
 // The same for a caller that has only the leaf's id: the registry is asked
 // for the leaf's name only when there is an error to name it in (compiled
 // graphs call forward on every step, and never with a tangent).
-void check_no_forward_tangents(int64_t leaf, at::TensorList inputs, at::TensorList mutated);
+void check_no_forward_tangents(
+    int64_t leaf,
+    at::TensorList inputs,
+    at::TensorList mutated);
 
 // Kernels shared by `call` and the named operators. `site` carries the plan
 // in and the real function's output description out.
@@ -145,7 +145,9 @@ std::optional<TensorList> call_autograd(
 // True when nothing records this call: no Python dispatch mode or functorch
 // transform is active and every input is a plain, non-meta tensor. Such a
 // call means the same through the dispatcher or through call_eager.
-TORCHLEAF_API bool is_plain_eager(at::TensorList inputs, at::TensorList mutated);
+TORCHLEAF_API bool is_plain_eager(
+    at::TensorList inputs,
+    at::TensorList mutated);
 
 // A plain eager call (is_plain_eager) without the dispatcher round trip, so
 // that `site` (the caller's arguments in, the output description out)

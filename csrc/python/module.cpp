@@ -4,7 +4,6 @@
 // lifetimes) is the core's.
 
 #include <torch/csrc/Exceptions.h>
-#include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -17,6 +16,7 @@
 #include "../ops/leaf_ops.h"
 #include "../registry.h"
 #include "../state.h"
+#include "../torch_private.h"
 #include "operator_entries.h"
 
 namespace py = pybind11;
@@ -33,7 +33,8 @@ PyObject* g_leaf_error_type = nullptr; // torchleaf.LeafFunctionError
 struct PyLeafError : public torch::PyTorchError {
   using torch::PyTorchError::PyTorchError;
   PyObject* python_type() override {
-    return g_leaf_error_type != nullptr ? g_leaf_error_type : PyExc_RuntimeError;
+    return g_leaf_error_type != nullptr ? g_leaf_error_type
+                                        : PyExc_RuntimeError;
   }
 };
 
@@ -89,7 +90,8 @@ struct PyRef {
 
 std::shared_ptr<void> hold(py::object o) {
   auto ref = std::make_shared<PyRef>(o.release().ptr());
-  return std::shared_ptr<void>(ref, ref->obj); // aliases: get() is the PyObject*
+  return std::shared_ptr<void>(
+      ref, ref->obj); // aliases: get() is the PyObject*
 }
 
 // A Python leaf, as the core calls it. `runner(leaf_ref, plan, tensors,
@@ -111,11 +113,15 @@ PyObject* ptr(const std::shared_ptr<void>& held) {
 
 // `held`, if given, gets each tensor whose PyObject something besides
 // `result` holds (CallSite::outputs_held).
-TensorList unpack_tensors(const py::handle& result, const std::string& leaf, const char* what,
-                          c10::SmallVector<const c10::TensorImpl*, 4>* held = nullptr) {
+TensorList unpack_tensors(
+    const py::handle& result,
+    const std::string& leaf,
+    const char* what,
+    c10::SmallVector<const c10::TensorImpl*, 4>* held = nullptr) {
   TensorList out;
   if (!PyList_Check(result.ptr())) {
-    detail::throw_leaf_error(leaf, std::string(what) + " runner must return a list of tensors");
+    detail::throw_leaf_error(
+        leaf, std::string(what) + " runner must return a list of tensors");
   }
   const auto n = PyList_GET_SIZE(result.ptr());
   out.reserve(n);
@@ -170,47 +176,69 @@ py::list wrap_tensors(const TensorList& tensors) {
   return out;
 }
 
+// The call's arguments: this frontend's payload (CallSite::frontend_payload).
 py::handle arguments_of(const CallSite& site) {
-  return site.arguments != nullptr ? py::handle(static_cast<PyObject*>(site.arguments))
-                                   : py::handle(Py_None);
+  return site.frontend_payload != nullptr
+      ? py::handle(static_cast<PyObject*>(site.frontend_payload))
+      : py::handle(Py_None);
 }
 
-TensorList run_python_real(const PythonLeaf& leaf, const std::string& name,
-                           const TensorList& inputs, CallSite& site) {
+TensorList run_python_real(
+    const PythonLeaf& leaf,
+    const std::string& name,
+    const TensorList& inputs,
+    CallSite& site) {
   py::gil_scoped_acquire gil;
   // A vector call: this runs on every call of a Python leaf.
-  py::object plan = py::reinterpret_steal<py::object>(PyLong_FromLongLong(site.plan));
+  py::object plan =
+      py::reinterpret_steal<py::object>(PyLong_FromLongLong(site.plan));
   if (!plan) {
     throw py::error_already_set();
   }
   py::list tensors = wrap_tensors(inputs);
-  PyObject* args[] = {ptr(leaf.leaf_ref), plan.ptr(), tensors.ptr(), arguments_of(site).ptr()};
+  PyObject* args[] = {
+      ptr(leaf.leaf_ref), plan.ptr(), tensors.ptr(), arguments_of(site).ptr()};
   py::object result = py::reinterpret_steal<py::object>(
       PyObject_Vectorcall(ptr(leaf.runner), args, 4, nullptr));
   if (!result) {
-    throw py::error_already_set(); // as pybind11's own call would (fetches the error)
+    throw py::error_already_set(); // as pybind11's own call would (fetches the
+                                   // error)
   }
-  TORCH_INTERNAL_ASSERT(PyTuple_Check(result.ptr()) && PyTuple_GET_SIZE(result.ptr()) == 2);
-  site.outputs_held.clear();
-  site.outputs_held_known = true;
-  auto outputs = unpack_tensors(PyTuple_GET_ITEM(result.ptr(), 0), name, "real", &site.outputs_held);
-  site.result = hold(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(result.ptr(), 1)));
+  TORCH_INTERNAL_ASSERT(
+      PyTuple_Check(result.ptr()) && PyTuple_GET_SIZE(result.ptr()) == 2);
+  auto outputs = unpack_tensors(
+      PyTuple_GET_ITEM(result.ptr(), 0),
+      name,
+      "real",
+      &site.outputs_held.emplace());
+  site.result = hold(
+      py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(result.ptr(), 1)));
   return outputs;
 }
 
-TensorList run_python_fake(const PythonLeaf& leaf, const std::string& name,
-                           const TensorList& inputs, CallSite& site) {
+TensorList run_python_fake(
+    const PythonLeaf& leaf,
+    const std::string& name,
+    const TensorList& inputs,
+    CallSite& site) {
   py::gil_scoped_acquire gil;
   // Validation runs the fake after the real function of the same call, whose
   // output description it compares against.
-  py::handle real_desc = site.result ? py::handle(ptr(site.result)) : py::handle(Py_None);
+  py::handle real_desc =
+      site.result ? py::handle(ptr(site.result)) : py::handle(Py_None);
   py::object result = py::reinterpret_borrow<py::object>(ptr(leaf.fake_runner))(
-      py::handle(ptr(leaf.leaf_ref)), site.plan, wrap_tensors(inputs), arguments_of(site),
+      py::handle(ptr(leaf.leaf_ref)),
+      site.plan,
+      wrap_tensors(inputs),
+      arguments_of(site),
       real_desc);
   return unpack_tensors(result, name, "fake");
 }
 
-std::string name_python_input(const PythonLeaf& leaf, int64_t plan, size_t index) {
+std::string name_python_input(
+    const PythonLeaf& leaf,
+    int64_t plan,
+    size_t index) {
   py::gil_scoped_acquire gil;
   py::handle namer(ptr(leaf.input_namer));
   if (namer.is_none()) {
@@ -233,7 +261,9 @@ int64_t define_python_leaf(
     std::optional<bool> check_escaped_gradients,
     py::object input_namer) {
   auto leaf = std::make_shared<PythonLeaf>(PythonLeaf{
-      hold(std::move(runner)), hold(std::move(fake_runner)), hold(std::move(leaf_ref)),
+      hold(std::move(runner)),
+      hold(std::move(fake_runner)),
+      hold(std::move(leaf_ref)),
       hold(std::move(input_namer))});
   auto entry = std::make_shared<LeafEntry>();
   entry->name = name;
@@ -265,7 +295,12 @@ py::object call(
   if (!eager && !arguments.is_none()) {
     return py::none();
   }
-  CallSite site{plan, eager && !arguments.is_none() ? arguments.ptr() : nullptr};
+  CallSite site{plan};
+  if (eager && !arguments.is_none()) {
+    // An eager call with its arguments returns what the function returned.
+    site.frontend_payload = arguments.ptr();
+    site.outputs_as_returned = true;
+  }
   // The GIL stays held: the work is the Python runner's (the user's
   // operators release it as usual), and dropping tensors that had Python
   // objects without it would take it back once per tensor.
@@ -283,23 +318,34 @@ py::object call(
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
-py::list run_fake(int64_t leaf, int64_t plan, const TensorList& inputs, const TensorList& mutated,
-                  bool strides_relied_on) {
+py::list run_fake(
+    int64_t leaf,
+    int64_t plan,
+    const TensorList& inputs,
+    const TensorList& mutated,
+    bool strides_relied_on) {
   HANDLE_TH_ERRORS
   CallSite site{plan};
-  return wrap_tensors(ops::call_fake(*get_leaf(leaf), inputs, mutated, site, strides_relied_on));
+  return wrap_tensors(ops::call_fake(
+      *get_leaf(leaf), inputs, mutated, site, strides_relied_on));
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
 // The plan resolver of named Python leaves: `resolver(leaf, call)` is
 // torchleaf's own function (it holds no user object).
-void bind_named_operator(const std::string& name, int64_t leaf, bool mutating, py::object resolver) {
+void bind_named_operator(
+    const std::string& name,
+    int64_t leaf,
+    bool mutating,
+    py::object resolver) {
   HANDLE_TH_ERRORS
   auto held = hold(std::move(resolver));
-  ops::bind_named_operator(name, leaf, mutating, [held](int64_t id, const std::string& call) {
-    py::gil_scoped_acquire gil;
-    return py::reinterpret_borrow<py::object>(ptr(held))(id, call).cast<int64_t>();
-  });
+  ops::bind_named_operator(
+      name, leaf, mutating, [held](int64_t id, const std::string& call) {
+        py::gil_scoped_acquire gil;
+        return py::reinterpret_borrow<py::object>(ptr(held))(id, call)
+            .cast<int64_t>();
+      });
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
@@ -324,7 +370,7 @@ bool python_saved_hook_may_copy(const c10::SafePyObject& pack_hook) {
   py::gil_scoped_acquire gil;
   py::error_scope pending;
   try {
-    auto hook = py::handle(pack_hook.ptr(getPyInterpreter()));
+    auto hook = py::handle(pack_hook.ptr(torch_private::py_interpreter()));
     return py::handle(g_saved_hook_may_copy)(hook).cast<bool>();
   } catch (py::error_already_set&) {
     return true; // keep the state: the safe answer
@@ -339,80 +385,136 @@ PYBIND11_MODULE(_C, m) {
   using namespace torchleaf::python;
   m.doc() = "torchleaf's C++ core. Private: use the torchleaf package.";
 
-  m.def("_set_error_type", [](py::object type) {
-    Py_XDECREF(g_leaf_error_type);
-    g_leaf_error_type = type.release().ptr();
-    set_error_thrower(&throw_python_leaf_error);
-    set_foreign_error_noter(&note_python_error);
-  }, "Make torchleaf errors raise `type` (a RuntimeError subclass).");
+  m.def(
+      "_set_error_type",
+      [](py::object type) {
+        Py_XDECREF(g_leaf_error_type);
+        g_leaf_error_type = type.release().ptr();
+        set_error_thrower(&throw_python_leaf_error);
+        set_foreign_error_noter(&note_python_error);
+      },
+      "Make torchleaf errors raise `type` (a RuntimeError subclass).");
 
-  m.def("_set_saved_hook_may_copy", [](py::object check) {
-    Py_XDECREF(g_saved_hook_may_copy);
-    g_saved_hook_may_copy = check.release().ptr();
-    set_saved_hook_may_copy(&python_saved_hook_may_copy);
-  }, "Set check(pack_hook) -> bool: whether a saved-tensor pack hook may save a "
-     "copy of a state handle (the core then keeps the state for the copy).");
+  m.def(
+      "_set_saved_hook_may_copy",
+      [](py::object check) {
+        Py_XDECREF(g_saved_hook_may_copy);
+        g_saved_hook_may_copy = check.release().ptr();
+        set_saved_hook_may_copy(&python_saved_hook_may_copy);
+      },
+      "Set check(pack_hook) -> bool: whether a saved-tensor pack hook may save a "
+      "copy of a state handle (the core then keeps the state for the copy).");
 
-  m.def("define_python_leaf", &define_python_leaf,
-        py::arg("name"), py::arg("runner"), py::arg("fake_runner"),
-        py::arg("leaf_ref"), py::arg("validate_outputs") = py::none(),
-        py::arg("check_escaped_gradients") = py::none(), py::arg("input_namer") = py::none(),
-        "Register a Python leaf with the core and return its id. The core "
-        "calls runner(leaf_ref, plan, tensors, arguments) -> (tensors, "
-        "output description) and fake_runner(leaf_ref, plan, tensors, "
-        "arguments, real description or None) -> tensors; for an error "
-        "message, input_namer(leaf_ref, plan, index) -> str or None names the "
-        "call's flat input `index` as its caller wrote it. `leaf_ref` should "
-        "be a weak reference, so that the core keeps no user object alive.");
-  m.def("bind_named_operator", &bind_named_operator, py::arg("name"), py::arg("leaf"),
-        py::arg("mutating"), py::arg("resolver"),
-        "Make the operator `name` ('ns::op', defined on first use with schema "
-        "(Tensor[] inputs, [Tensor(a!)[] mutated,] str call) -> Tensor[]) call "
-        "the Python leaf `leaf`; resolver(leaf, call) -> plan turns a call "
-        "description into a plan, once per distinct description. Fails when "
-        "a live leaf or a C++ leaf has the name.");
-  m.def("release_python_leaf", &unregister_leaf, py::arg("leaf"),
-        "Remove a Python leaf from the core (when its LeafFunction dies); "
-        "graphs that still call it fail with a clear error.");
+  m.def(
+      "define_python_leaf",
+      &define_python_leaf,
+      py::arg("name"),
+      py::arg("runner"),
+      py::arg("fake_runner"),
+      py::arg("leaf_ref"),
+      py::arg("validate_outputs") = py::none(),
+      py::arg("check_escaped_gradients") = py::none(),
+      py::arg("input_namer") = py::none(),
+      "Register a Python leaf with the core and return its id. The core "
+      "calls runner(leaf_ref, plan, tensors, arguments) -> (tensors, "
+      "output description) and fake_runner(leaf_ref, plan, tensors, "
+      "arguments, real description or None) -> tensors; for an error "
+      "message, input_namer(leaf_ref, plan, index) -> str or None names the "
+      "call's flat input `index` as its caller wrote it. `leaf_ref` should "
+      "be a weak reference, so that the core keeps no user object alive.");
+  m.def(
+      "bind_named_operator",
+      &bind_named_operator,
+      py::arg("name"),
+      py::arg("leaf"),
+      py::arg("mutating"),
+      py::arg("resolver"),
+      "Make the operator `name` ('ns::op', defined on first use with schema "
+      "(Tensor[] inputs, [Tensor(a!)[] mutated,] str call) -> Tensor[]) call "
+      "the Python leaf `leaf`; resolver(leaf, call) -> plan turns a call "
+      "description into a plan, once per distinct description. Fails when "
+      "a live leaf or a C++ leaf has the name.");
+  m.def(
+      "release_python_leaf",
+      &unregister_leaf,
+      py::arg("leaf"),
+      "Remove a Python leaf from the core (when its LeafFunction dies); "
+      "graphs that still call it fail with a clear error.");
   m.attr("OPERATOR_SCHEMA_VERSION") = ops::kOperatorSchemaVersion;
-  m.def("leaf_count", &leaf_count, "Number of leaves registered with the core.");
-  m.def("call", &call, py::arg("leaf"), py::arg("plan"), py::arg("inputs"),
-        py::arg("mutated"), py::arg("arguments"),
-        "Call a leaf. Plain eager calls run directly (no dispatcher round "
-        "trip) with `arguments` (opaque, handed to the runners) and return "
-        "(outputs, the real function's output description). Other calls go "
-        "through torchleaf::call(leaf, plan, ...) and return (outputs, None) "
-        "-- or None, without running anything, when `arguments` is not None: "
-        "such calls must be described for a graph.");
+  m.def(
+      "leaf_count", &leaf_count, "Number of leaves registered with the core.");
+  m.def(
+      "call",
+      &call,
+      py::arg("leaf"),
+      py::arg("plan"),
+      py::arg("inputs"),
+      py::arg("mutated"),
+      py::arg("arguments"),
+      "Call a leaf. Plain eager calls run directly (no dispatcher round "
+      "trip) with `arguments` (opaque, handed to the runners) and return "
+      "(outputs, the real function's output description). Other calls go "
+      "through torchleaf::call(leaf, plan, ...) and return (outputs, None) "
+      "-- or None, without running anything, when `arguments` is not None: "
+      "such calls must be described for a graph.");
 
-  m.def("run_fake", &run_fake, py::arg("leaf"), py::arg("plan"), py::arg("inputs"),
-        py::arg("mutated"), py::arg("strides_relied_on") = false,
-        "Run a leaf's fake implementation for a call of `plan` (the fake "
-        "kernel of every torchleaf operator). The outputs' metadata is "
-        "recorded for the check of real calls, their strides only when "
-        "`strides_relied_on` (Inductor's lowering).");
-  m.def("direct_operator_entry", &direct_operator_entry, py::arg("name"), py::arg("replaced"),
-        "A callable for OpOverload._op of torchleaf::<name> ('call', 'forward' "
-        "or 'backward'): calls the operator through a typed dispatcher call for "
-        "the plain positional arguments compiled graphs pass, and `replaced` "
-        "(PyTorch's own entry) for anything else.");
-  m.def("named_leaves", &torchleaf::python::named_leaves,
-        "[(id, 'ns::name', mutable positions)] for every C++ leaf with a named "
-        "operator.");
-  m.def("live_states", &live_states,
-        "Number of captured autograd states alive now.");
-  m.def("get_validate_outputs", &Config::validate_outputs,
-        "Whether real and fake outputs are compared on every call.");
-  m.def("set_validate_outputs", &Config::set_validate_outputs, py::arg("enabled"),
-        "Compare real and fake outputs on every call (default off).");
-  m.def("get_check_escaped_gradients", &Config::check_escaped_gradients,
-        "Whether escaped gradients are an error.");
-  m.def("set_check_escaped_gradients", &Config::set_check_escaped_gradients,
-        py::arg("enabled"), "Make escaped gradients an error (default on).");
-  m.def("scalar_type_code", [](const at::Tensor& t) {
-    return static_cast<int64_t>(t.scalar_type());
-  }, "The c10::ScalarType code of a tensor's dtype.");
-  m.def("device_type_name", [](int64_t code) {
-    return c10::DeviceTypeName(static_cast<c10::DeviceType>(code), /*lower_case=*/true);
-  }, "The name ('cpu', 'cuda', ...) of a c10::DeviceType code.");
+  m.def(
+      "run_fake",
+      &run_fake,
+      py::arg("leaf"),
+      py::arg("plan"),
+      py::arg("inputs"),
+      py::arg("mutated"),
+      py::arg("strides_relied_on") = false,
+      "Run a leaf's fake implementation for a call of `plan` (the fake "
+      "kernel of every torchleaf operator). The outputs' metadata is "
+      "recorded for the check of real calls, their strides only when "
+      "`strides_relied_on` (Inductor's lowering).");
+  m.def(
+      "direct_operator_entry",
+      &direct_operator_entry,
+      py::arg("name"),
+      py::arg("replaced"),
+      "A callable for OpOverload._op of torchleaf::<name> ('call', 'forward' "
+      "or 'backward'): calls the operator through a typed dispatcher call for "
+      "the plain positional arguments compiled graphs pass, and `replaced` "
+      "(PyTorch's own entry) for anything else.");
+  m.def(
+      "named_leaves",
+      &torchleaf::python::named_leaves,
+      "[(id, 'ns::name', mutable positions)] for every C++ leaf with a named "
+      "operator.");
+  m.def(
+      "live_states",
+      &live_states,
+      "Number of captured autograd states alive now.");
+  m.def(
+      "get_validate_outputs",
+      &Config::validate_outputs,
+      "Whether real and fake outputs are compared on every call.");
+  m.def(
+      "set_validate_outputs",
+      &Config::set_validate_outputs,
+      py::arg("enabled"),
+      "Compare real and fake outputs on every call (default off).");
+  m.def(
+      "get_check_escaped_gradients",
+      &Config::check_escaped_gradients,
+      "Whether escaped gradients are an error.");
+  m.def(
+      "set_check_escaped_gradients",
+      &Config::set_check_escaped_gradients,
+      py::arg("enabled"),
+      "Make escaped gradients an error (default on).");
+  m.def(
+      "scalar_type_code",
+      [](const at::Tensor& t) { return static_cast<int64_t>(t.scalar_type()); },
+      "The c10::ScalarType code of a tensor's dtype.");
+  m.def(
+      "device_type_name",
+      [](int64_t code) {
+        return c10::DeviceTypeName(
+            static_cast<c10::DeviceType>(code), /*lower_case=*/true);
+      },
+      "The name ('cpu', 'cuda', ...) of a c10::DeviceType code.");
 }

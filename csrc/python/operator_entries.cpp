@@ -26,12 +26,12 @@
 
 #include <type_traits>
 
-#include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "../ops/leaf_ops.h"
 #include "../registry.h"
+#include "../torch_private.h"
 
 namespace torchleaf::python {
 namespace {
@@ -66,7 +66,7 @@ bool plain_tensor_list(PyObject* o, Vector& out) {
     PyObject* item = PyList_GET_ITEM(o, i);
     if (allow_none && item == Py_None) {
       out.emplace_back();
-    } else if (THPVariable_CheckExact(item)) {
+    } else if (torch_private::is_exact_tensor(item)) {
       out.emplace_back(THPVariable_Unpack(item));
     } else {
       return false;
@@ -108,8 +108,9 @@ PyObject* wrap_list(const TensorList& tensors) {
 // Arguments a direct entry may take: positional, and no torch function mode
 // to consult (overriding tensors are refused argument by argument).
 bool plain_call(Py_ssize_t nargs, Py_ssize_t expected, PyObject* kwnames) {
-  return nargs == expected && (kwnames == nullptr || PyTuple_GET_SIZE(kwnames) == 0) &&
-      !at::impl::torch_function_mode_enabled();
+  return nargs == expected &&
+      (kwnames == nullptr || PyTuple_GET_SIZE(kwnames) == 0) &&
+      !torch_private::torch_function_mode_enabled();
 }
 
 // Releases the GIL for the call of a leaf whose real function is C++ (it
@@ -126,45 +127,61 @@ void release_gil_for_cpp(
   }
 }
 
-PyObject* fallback(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+PyObject* fallback(
+    PyObject* self,
+    PyObject* const* args,
+    Py_ssize_t nargs,
+    PyObject* kwnames) {
   return PyObject_Vectorcall(self, args, static_cast<size_t>(nargs), kwnames);
 }
 
 // `self` is the entry replaced: OpOverload._op as PyTorch made it.
-PyObject* call_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+PyObject* call_entry(
+    PyObject* self,
+    PyObject* const* args,
+    Py_ssize_t nargs,
+    PyObject* kwnames) {
   HANDLE_TH_ERRORS
   int64_t leaf = 0;
   int64_t plan = 0;
   Tensors inputs;
-  if (!plain_call(nargs, 3, kwnames) || !exact_int(args[0], leaf) || !exact_int(args[1], plan) ||
-      !plain_tensor_list(args[2], inputs)) {
+  if (!plain_call(nargs, 3, kwnames) || !exact_int(args[0], leaf) ||
+      !exact_int(args[1], plan) || !plain_tensor_list(args[2], inputs)) {
     return fallback(self, args, nargs, kwnames);
   }
   const auto entry = get_leaf(leaf);
   std::optional<pybind11::gil_scoped_release> no_gil;
   release_gil_for_cpp(*entry, no_gil);
   auto plain = ops::call_plain(*entry, plan, inputs);
-  TensorList out = plain ? std::move(*plain) : ops::call(leaf, plan, inputs, {});
+  TensorList out =
+      plain ? std::move(*plain) : ops::call(leaf, plan, inputs, {});
   no_gil.reset();
   return wrap_list(out);
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* forward_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+PyObject* forward_entry(
+    PyObject* self,
+    PyObject* const* args,
+    Py_ssize_t nargs,
+    PyObject* kwnames) {
   HANDLE_TH_ERRORS
   int64_t leaf = 0;
   int64_t plan = 0;
   Tensors inputs;
   Ints differentiable;
-  if (!plain_call(nargs, 4, kwnames) || !exact_int(args[0], leaf) || !exact_int(args[1], plan) ||
-      !plain_tensor_list(args[2], inputs) || !int_list(args[3], differentiable)) {
+  if (!plain_call(nargs, 4, kwnames) || !exact_int(args[0], leaf) ||
+      !exact_int(args[1], plan) || !plain_tensor_list(args[2], inputs) ||
+      !int_list(args[3], differentiable)) {
     return fallback(self, args, nargs, kwnames);
   }
   auto entry = get_leaf(leaf);
   std::optional<pybind11::gil_scoped_release> no_gil;
   release_gil_for_cpp(*entry, no_gil);
-  auto plain = ops::forward_plain(std::move(entry), plan, inputs, differentiable);
-  auto out = plain ? std::move(*plain) : ops::forward(leaf, plan, inputs, {}, differentiable);
+  auto plain =
+      ops::forward_plain(std::move(entry), plan, inputs, differentiable);
+  auto out = plain ? std::move(*plain)
+                   : ops::forward(leaf, plan, inputs, {}, differentiable);
   no_gil.reset();
   PyObject* outputs = wrap_list(std::get<0>(out));
   PyObject* state = THPVariable_Wrap(std::get<1>(out));
@@ -181,14 +198,18 @@ PyObject* forward_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* backward_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+PyObject* backward_entry(
+    PyObject* self,
+    PyObject* const* args,
+    Py_ssize_t nargs,
+    PyObject* kwnames) {
   HANDLE_TH_ERRORS
   int64_t leaf = 0;
   std::vector<std::optional<at::Tensor>> grads;
   Ints input_meta;
   if (!plain_call(nargs, 4, kwnames) || !exact_int(args[0], leaf) ||
-      !THPVariable_CheckExact(args[1]) || !plain_tensor_list(args[2], grads) ||
-      !int_list(args[3], input_meta)) {
+      !torch_private::is_exact_tensor(args[1]) ||
+      !plain_tensor_list(args[2], grads) || !int_list(args[3], input_meta)) {
     return fallback(self, args, nargs, kwnames);
   }
   const at::Tensor& state = THPVariable_Unpack(args[1]);
@@ -210,17 +231,26 @@ PyObject* backward_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs
 }
 
 PyMethodDef kEntries[] = {
-    {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(call_entry)),
-     METH_FASTCALL | METH_KEYWORDS, "torchleaf::call, directly (see operator_entries.cpp)."},
-    {"forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(forward_entry)),
-     METH_FASTCALL | METH_KEYWORDS, "torchleaf::forward, directly (see operator_entries.cpp)."},
-    {"backward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(backward_entry)),
-     METH_FASTCALL | METH_KEYWORDS, "torchleaf::backward, directly (see operator_entries.cpp)."},
+    {"call",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(call_entry)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "torchleaf::call, directly (see operator_entries.cpp)."},
+    {"forward",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(forward_entry)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "torchleaf::forward, directly (see operator_entries.cpp)."},
+    {"backward",
+     reinterpret_cast<PyCFunction>(
+         reinterpret_cast<void (*)()>(backward_entry)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "torchleaf::backward, directly (see operator_entries.cpp)."},
 };
 
 } // namespace
 
-pybind11::object direct_operator_entry(const std::string& name, pybind11::object replaced) {
+pybind11::object direct_operator_entry(
+    const std::string& name,
+    pybind11::object replaced) {
   for (auto& def : kEntries) {
     if (name == def.ml_name) {
       PyObject* entry = PyCFunction_NewEx(&def, replaced.ptr(), nullptr);
@@ -230,7 +260,8 @@ pybind11::object direct_operator_entry(const std::string& name, pybind11::object
       return pybind11::reinterpret_steal<pybind11::object>(entry);
     }
   }
-  throw pybind11::value_error("torchleaf has no direct entry for operator '" + name + "'");
+  throw pybind11::value_error(
+      "torchleaf has no direct entry for operator '" + name + "'");
 }
 
 } // namespace torchleaf::python

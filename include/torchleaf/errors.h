@@ -43,7 +43,7 @@ TORCHLEAF_API void note_foreign_error(const std::string& note);
 
 // TORCH_CHECK for user errors that concern one leaf function: the message is
 // prefixed with the leaf's name.
-#define TORCHLEAF_CHECK(cond, leaf_name, ...)                              \
-  if (C10_UNLIKELY_OR_CONST(!(cond))) {                                    \
+#define TORCHLEAF_CHECK(cond, leaf_name, ...)                                  \
+  if (C10_UNLIKELY_OR_CONST(!(cond))) {                                        \
     ::torchleaf::detail::throw_leaf_error((leaf_name), c10::str(__VA_ARGS__)); \
   }

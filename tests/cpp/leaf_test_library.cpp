@@ -13,9 +13,7 @@ double g_scale = 2.0;
 
 const auto scale_bias = torchleaf::define_leaf(
     "torchleaf_test::scale_bias",
-    [](const TensorList& in) {
-      return TensorList{in[0] * g_scale + in[1]};
-    },
+    [](const TensorList& in) { return TensorList{in[0] * g_scale + in[1]}; },
     [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; });
 
 // Data-dependent output size: the positive entries of x, doubled.

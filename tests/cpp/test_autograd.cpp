@@ -27,16 +27,22 @@ torchleaf::LeafFunction body_leaf() {
   return leaf;
 }
 
-TensorList grads_of(const TensorList& outs, const TensorList& inputs, bool create_graph = false) {
+TensorList grads_of(
+    const TensorList& outs,
+    const TensorList& inputs,
+    bool create_graph = false) {
   auto loss = outs[0].sin().sum() + outs[1].pow(2).sum();
-  return torch::autograd::grad({loss}, inputs, {}, /*retain_graph=*/create_graph, create_graph);
+  return torch::autograd::grad(
+      {loss}, inputs, {}, /*retain_graph=*/create_graph, create_graph);
 }
 
 } // namespace
 
 TEST(Autograd, GradientsMatchTheBody) {
-  auto x = torch::randn({3, 4}, torch::dtype(torch::kDouble).requires_grad(true));
-  auto w = torch::randn({4, 5}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto x =
+      torch::randn({3, 4}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto w =
+      torch::randn({4, 5}, torch::dtype(torch::kDouble).requires_grad(true));
   auto expected = grads_of(body({x, w}), {x, w});
   auto got = grads_of(body_leaf()({x, w}), {x, w});
   EXPECT_TRUE(torch::allclose(got[0], expected[0]));
@@ -46,10 +52,13 @@ TEST(Autograd, GradientsMatchTheBody) {
 
 TEST(Autograd, GradcheckAndGradgradcheckStyleSecondOrder) {
   // Second derivatives through create_graph=True equal the body's.
-  auto x = torch::randn({3, 4}, torch::dtype(torch::kDouble).requires_grad(true));
-  auto w = torch::randn({4, 5}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto x =
+      torch::randn({3, 4}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto w =
+      torch::randn({4, 5}, torch::dtype(torch::kDouble).requires_grad(true));
   auto g_ref = grads_of(body({x, w}), {x, w}, /*create_graph=*/true);
-  auto gg_ref = torch::autograd::grad({(g_ref[0] * g_ref[0]).sum() + g_ref[1].sum()}, {x, w});
+  auto gg_ref = torch::autograd::grad(
+      {(g_ref[0] * g_ref[0]).sum() + g_ref[1].sum()}, {x, w});
   auto g = grads_of(body_leaf()({x, w}), {x, w}, /*create_graph=*/true);
   auto gg = torch::autograd::grad({(g[0] * g[0]).sum() + g[1].sum()}, {x, w});
   EXPECT_TRUE(torch::allclose(g[0], g_ref[0]));
@@ -59,7 +68,8 @@ TEST(Autograd, GradcheckAndGradgradcheckStyleSecondOrder) {
 
 TEST(Autograd, TwoForwardsInFlightKeepTheirOwnState) {
   auto leaf = body_leaf();
-  auto w = torch::randn({4, 5}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto w =
+      torch::randn({4, 5}, torch::dtype(torch::kDouble).requires_grad(true));
   auto x1 = torch::randn({3, 4}, torch::kDouble);
   auto x2 = torch::randn({3, 4}, torch::kDouble);
   auto o1 = leaf({x1, w});
@@ -82,7 +92,8 @@ TEST(Autograd, TwoForwardsInFlightKeepTheirOwnState) {
 
 TEST(Autograd, RetainGraphAccumulatesAndReleasedStateIsAClearError) {
   auto leaf = body_leaf();
-  auto x = torch::randn({3, 4}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto x =
+      torch::randn({3, 4}, torch::dtype(torch::kDouble).requires_grad(true));
   auto w = torch::randn({4, 5}, torch::kDouble);
   auto out = leaf({x, w});
   auto loss = out[0].sum();
@@ -91,18 +102,22 @@ TEST(Autograd, RetainGraphAccumulatesAndReleasedStateIsAClearError) {
   loss.backward();
   EXPECT_TRUE(torch::allclose(x.grad(), 2 * once));
   EXPECT_EQ(torchleaf::live_states(), 0);
-  EXPECT_THROW_WITH(loss.backward(), "backward through the graph a second time");
+  EXPECT_THROW_WITH(
+      loss.backward(), "backward through the graph a second time");
 }
 
 TEST(Autograd, UnusedInputGetsZerosAndIntegerOutputsAreNotDifferentiable) {
   auto leaf = torchleaf::define_leaf(
       unique_name("partial"),
       [](const TensorList& in) {
-        return TensorList{in[0] * 2, in[0].argmax(), torch::ones({2}, in[0].options())};
+        return TensorList{
+            in[0] * 2, in[0].argmax(), torch::ones({2}, in[0].options())};
       },
       [](const TensorList& in) {
-        return TensorList{at::empty_like(in[0]), at::empty({}, in[0].options().dtype(at::kLong)),
-                          at::empty({2}, in[0].options())};
+        return TensorList{
+            at::empty_like(in[0]),
+            at::empty({}, in[0].options().dtype(at::kLong)),
+            at::empty({2}, in[0].options())};
       });
   auto x = torch::randn({3}, torch::requires_grad(true));
   auto unused = torch::randn({2, 2}, torch::requires_grad(true));
@@ -136,11 +151,15 @@ TEST(Autograd, ForwardAndBackwardOperatorsOwnTheStateThroughTheHandle) {
   auto leaf = body_leaf();
   auto forward = c10::Dispatcher::singleton()
                      .findSchemaOrThrow("torchleaf::forward", "")
-                     .typed<std::tuple<TensorList, at::Tensor>(int64_t, int64_t, at::TensorList, at::IntArrayRef)>();
+                     .typed<std::tuple<TensorList, at::Tensor>(
+                         int64_t, int64_t, at::TensorList, at::IntArrayRef)>();
   auto backward = c10::Dispatcher::singleton()
                       .findSchemaOrThrow("torchleaf::backward", "")
-                      .typed<TensorList(int64_t, const at::Tensor&, const c10::List<std::optional<at::Tensor>>&,
-                                        c10::SymIntArrayRef)>();
+                      .typed<TensorList(
+                          int64_t,
+                          const at::Tensor&,
+                          const c10::List<std::optional<at::Tensor>>&,
+                          c10::SymIntArrayRef)>();
   auto x = torch::randn({3, 4}, torch::kDouble);
   auto w = torch::randn({4, 5}, torch::kDouble);
   auto [outs, handle] = forward.call(leaf.id(), /*plan=*/0, {x, w}, {0, 1});
@@ -173,7 +192,9 @@ TEST(Autograd, EscapedGradientsAreReportedOrIgnored) {
       [closure](const TensorList& in) { return TensorList{in[0] * closure}; },
       [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; });
   auto x = torch::randn({3}, torch::requires_grad(true));
-  EXPECT_THROW_WITH(leaf({x}), "uses 1 tensor(s) that require grad but are not among its inputs");
+  EXPECT_THROW_WITH(
+      leaf({x}),
+      "uses 1 tensor(s) that require grad but are not among its inputs");
   EXPECT_EQ(torchleaf::live_states(), 0);
 
   auto lax = torchleaf::define_leaf(
@@ -216,10 +237,11 @@ namespace {
 std::tuple<TensorList, at::Tensor> traced_forward(
     const torchleaf::LeafFunction& leaf,
     const TensorList& inputs) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("torchleaf::forward", "")
-                       .typed<std::tuple<TensorList, at::Tensor>(
-                           int64_t, int64_t, at::TensorList, at::IntArrayRef)>();
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("torchleaf::forward", "")
+          .typed<std::tuple<TensorList, at::Tensor>(
+              int64_t, int64_t, at::TensorList, at::IntArrayRef)>();
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   std::vector<int64_t> differentiable(inputs.size());
   std::iota(differentiable.begin(), differentiable.end(), 0);
@@ -260,15 +282,18 @@ at::Tensor chain(const at::Tensor& w, int n) {
 // breaks first.
 TEST(Autograd, LeafTensorsMadeInsideAreOutputsNotEscapes) {
   auto made = torch::randn({3}, torch::requires_grad(true));
-  ASSERT_EQ(torch::autograd::impl::grad_accumulator(made)->sequence_nr(), UINT64_MAX);
+  ASSERT_EQ(
+      torch::autograd::impl::grad_accumulator(made)->sequence_nr(), UINT64_MAX);
 
   auto leaf = torchleaf::define_leaf(
       unique_name("makes_a_leaf"),
       [](const TensorList& in) {
-        return TensorList{in[0] * 2, torch::ones({3}, torch::requires_grad(true))};
+        return TensorList{
+            in[0] * 2, torch::ones({3}, torch::requires_grad(true))};
       },
       [](const TensorList& in) {
-        return TensorList{at::empty_like(in[0]), at::empty({3}, in[0].options())};
+        return TensorList{
+            at::empty_like(in[0]), at::empty({3}, in[0].options())};
       });
   auto x = torch::randn({3}, torch::requires_grad(true));
   auto out = leaf({x}); // with the escaped-gradient check on
@@ -293,7 +318,8 @@ TEST(Autograd, InputAliasesShareTheCallersVersionCounter) {
   EXPECT_THROW_WITH(sneaky({x, y}), "mutated its input 1");
   EXPECT_TRUE(torch::allclose(y, torch::full({2}, 2.0)));
   auto z = torch::ones({2}).requires_grad_();
-  auto z_view = z * 1; // a non-leaf requiring grad: the aliased input is captured
+  auto z_view =
+      z * 1; // a non-leaf requiring grad: the aliased input is captured
   EXPECT_THROW_WITH(sneaky({y, z_view}), "mutated its input 1");
   // Views of one tensor share its version counter: the message names both.
   auto base = torch::ones({4});
@@ -363,7 +389,8 @@ TEST(Autograd, NodesMadeOnAWorkerThreadBelongToTheCall) {
 
   auto out = leaf({x});
   EXPECT_TRUE(torch::allclose(out[0], (x * 3.0).sin()));
-  EXPECT_TRUE(torch::allclose(torch::autograd::grad({out[0].sum()}, {x})[0], expected));
+  EXPECT_TRUE(
+      torch::allclose(torch::autograd::grad({out[0].sum()}, {x})[0], expected));
 
   auto [traced_out, state] = traced_forward(leaf, {x});
   auto gx = traced_backward(leaf, state, torch::ones_like(x))[0];
@@ -390,9 +417,10 @@ TEST(Autograd, AHookTheFunctionPutsOnItsInputRuns) {
     in[0].register_hook([](const at::Tensor& g) { return g * 10; });
     return TensorList{(in[0] * in[1]).sin()};
   };
-  auto leaf = torchleaf::define_leaf(unique_name("scaled"), scaled, [](const TensorList& in) {
-    return TensorList{at::empty_like(in[0])};
-  });
+  auto leaf = torchleaf::define_leaf(
+      unique_name("scaled"), scaled, [](const TensorList& in) {
+        return TensorList{at::empty_like(in[0])};
+      });
   auto x = torch::randn({3}, torch::dtype(torch::kDouble));
   auto w = torch::randn({3}, torch::dtype(torch::kDouble));
   auto grads = [&](auto&& f) {

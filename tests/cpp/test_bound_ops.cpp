@@ -20,7 +20,8 @@ using BoundSig = TensorList(at::TensorList, c10::string_view);
 int64_t register_scaling_leaf(double factor, std::vector<int64_t>* plans) {
   auto entry = std::make_shared<torchleaf::LeafEntry>();
   entry->name = "bound_test_leaf";
-  entry->real = [factor, plans](const TensorList& in, torchleaf::CallSite& site) {
+  entry->real = [factor, plans](
+                    const TensorList& in, torchleaf::CallSite& site) {
     plans->push_back(site.plan);
     return TensorList{in[0] * factor};
   };
@@ -41,8 +42,11 @@ TEST(BoundOperators, ResolveOncePerDescriptionHoldWeaklyAndRebind) {
     return static_cast<int64_t>(call.size()); // any deterministic plan
   };
   const int64_t first = register_scaling_leaf(2.0, &plans);
-  torchleaf::ops::bind_named_operator(name, first, /*mutating=*/false, resolver);
-  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "").typed<BoundSig>();
+  torchleaf::ops::bind_named_operator(
+      name, first, /*mutating=*/false, resolver);
+  auto op = c10::Dispatcher::singleton()
+                .findSchemaOrThrow(name.c_str(), "")
+                .typed<BoundSig>();
 
   auto x = torch::arange(3, torch::kFloat);
   auto y = op.call({x}, "abc");
@@ -60,15 +64,18 @@ TEST(BoundOperators, ResolveOncePerDescriptionHoldWeaklyAndRebind) {
   // A second live leaf cannot take the name.
   std::vector<int64_t> other_plans;
   const int64_t second = register_scaling_leaf(5.0, &other_plans);
-  EXPECT_THROW_WITH(torchleaf::ops::bind_named_operator(name, second, false, resolver),
-                    "is already the name of a live leaf function");
+  EXPECT_THROW_WITH(
+      torchleaf::ops::bind_named_operator(name, second, false, resolver),
+      "is already the name of a live leaf function");
   // Nor can the schema change.
-  EXPECT_THROW_WITH(torchleaf::ops::bind_named_operator(name, first, true, resolver),
-                    "cannot change");
+  EXPECT_THROW_WITH(
+      torchleaf::ops::bind_named_operator(name, first, true, resolver),
+      "cannot change");
 
   // The operator does not keep its leaf: once it is gone, a clear error ...
   torchleaf::unregister_leaf(first);
-  EXPECT_THROW_WITH(op.call({x}, "abc"), "is not bound to a live leaf function");
+  EXPECT_THROW_WITH(
+      op.call({x}, "abc"), "is not bound to a live leaf function");
   // ... until another leaf takes the name, with plans resolved afresh.
   torchleaf::ops::bind_named_operator(name, second, false, resolver);
   EXPECT_TRUE(torch::equal(op.call({x}, "abc")[0], x * 5));
@@ -80,11 +87,15 @@ TEST(BoundOperators, MalformedAndCppNamesAreRefused) {
   std::vector<int64_t> plans;
   const int64_t leaf = register_scaling_leaf(1.0, &plans);
   auto resolver = [](int64_t, const std::string&) { return int64_t{0}; };
-  EXPECT_THROW_WITH(torchleaf::ops::bind_named_operator("no_namespace", leaf, false, resolver),
-                    "has a malformed name");
+  EXPECT_THROW_WITH(
+      torchleaf::ops::bind_named_operator(
+          "no_namespace", leaf, false, resolver),
+      "has a malformed name");
   auto cpp = torchleaf::define_leaf(
-      unique_name("cpp_owned"), [](const TensorList& in) { return TensorList{in[0] * 1}; });
-  EXPECT_THROW_WITH(torchleaf::ops::bind_named_operator(cpp.name(), leaf, false, resolver),
-                    "is already a C++ leaf function's name");
+      unique_name("cpp_owned"),
+      [](const TensorList& in) { return TensorList{in[0] * 1}; });
+  EXPECT_THROW_WITH(
+      torchleaf::ops::bind_named_operator(cpp.name(), leaf, false, resolver),
+      "is already a C++ leaf function's name");
   torchleaf::unregister_leaf(leaf);
 }

@@ -2,6 +2,8 @@
 // implementations and declared mutation.
 #include "test_util.h"
 
+#include "csrc/torch_private.h"
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 
@@ -48,8 +50,11 @@ TEST(Leaf, BodyRunsWithTheConjugateFallbackWhereverTheCallComesFrom) {
   const auto expected = torch::tensor({2.0, 1.0}, torch::kFloat64);
   EXPECT_TRUE(torch::equal(leaf({x})[0], expected));
   {
-    c10::impl::ExcludeDispatchKeyGuard handler(c10::DispatchKeySet(
-        {c10::DispatchKey::Conjugate, c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor}));
+    torchleaf::torch_private::ExcludeDispatchKeyGuard handler(
+        c10::DispatchKeySet(
+            {c10::DispatchKey::Conjugate,
+             c10::DispatchKey::Negative,
+             c10::DispatchKey::ZeroTensor}));
     EXPECT_TRUE(torch::equal(leaf({x})[0], expected));
     EXPECT_TRUE(torch::equal(leaf({x.requires_grad_()})[0], expected));
   }
@@ -90,8 +95,10 @@ TEST(Leaf, MetaTensorsRunTheFakeNeverTheReal) {
   EXPECT_EQ(out[0].sizes(), c10::IntArrayRef({4}));
   EXPECT_EQ(real_calls, 0);
   EXPECT_EQ(fake_calls, 1);
-  // Also with inputs that require grad (through torchleaf::forward's Meta kernel).
-  auto xr = torch::empty({3, 4}, torch::device(torch::kMeta).requires_grad(true));
+  // Also with inputs that require grad (through torchleaf::forward's Meta
+  // kernel).
+  auto xr =
+      torch::empty({3, 4}, torch::device(torch::kMeta).requires_grad(true));
   out = leaf({xr});
   EXPECT_TRUE(out[0].requires_grad());
   EXPECT_EQ(real_calls, 0);
@@ -103,7 +110,9 @@ TEST(Leaf, MetaTensorsRunTheFakeNeverTheReal) {
 TEST(Leaf, FakeOutputsNeverAliasInputsOrEachOther) {
   auto leaf = torchleaf::define_leaf(
       unique_name("aliasing_fake"),
-      [](const TensorList& in) { return TensorList{in[0].sin(), in[0].cos(), in[0].exp()}; },
+      [](const TensorList& in) {
+        return TensorList{in[0].sin(), in[0].cos(), in[0].exp()};
+      },
       [](const TensorList& in) {
         auto t = at::empty_like(in[0]);
         return TensorList{t, t, in[0]};
@@ -119,7 +128,8 @@ TEST(Leaf, MissingFakeIsAClearErrorOnlyWhenNeeded) {
   const auto name = unique_name("nofake");
   auto leaf = torchleaf::define_leaf(
       name, [](const TensorList& in) { return TensorList{in[0] * 3}; });
-  EXPECT_TRUE(torch::allclose(leaf({torch::ones({2})})[0], torch::full({2}, 3.0)));
+  EXPECT_TRUE(
+      torch::allclose(leaf({torch::ones({2})})[0], torch::full({2}, 3.0)));
   EXPECT_THROW_WITH(
       leaf({torch::empty({2}, torch::device(torch::kMeta))}),
       "'" + name + "' requires a fake implementation");
@@ -170,12 +180,17 @@ TEST(Leaf, AnInPlaceChangeThatWouldCarryAGradientIsAnError) {
     in[1].add_(in[0] * 3);
     return TensorList{in[0] * 2};
   };
-  auto fake = [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; };
+  auto fake = [](const TensorList& in) {
+    return TensorList{at::empty_like(in[0])};
+  };
   const auto name = unique_name("accumulates");
-  auto accumulates = torchleaf::define_leaf(name, body, fake, torchleaf::LeafOptions().mutates({1}));
+  auto accumulates = torchleaf::define_leaf(
+      name, body, fake, torchleaf::LeafOptions().mutates({1}));
   auto buf = torch::zeros({2});
   const auto x = torch::ones({2}, torch::requires_grad());
-  EXPECT_THROW_WITH(accumulates({x, buf}), "changed its declared-mutable tensor 0 (counting from 0: the tensor arguments");
+  EXPECT_THROW_WITH(
+      accumulates({x, buf}),
+      "changed its declared-mutable tensor 0 (counting from 0: the tensor arguments");
   EXPECT_THROW_WITH(accumulates({x, buf}), name);
   // Nothing that requires grad: the change is plain data.
   buf.zero_();
@@ -183,7 +198,10 @@ TEST(Leaf, AnInPlaceChangeThatWouldCarryAGradientIsAnError) {
   EXPECT_TRUE(torch::allclose(buf, torch::full({2}, 3.0)));
   // Dropped knowingly: the data changes, no history.
   auto dropping = torchleaf::define_leaf(
-      unique_name("drops"), body, fake, torchleaf::LeafOptions().mutates({1}).check_escaped(false));
+      unique_name("drops"),
+      body,
+      fake,
+      torchleaf::LeafOptions().mutates({1}).check_escaped(false));
   auto out = dropping({x, buf});
   EXPECT_TRUE(torch::allclose(buf, torch::full({2}, 6.0)));
   EXPECT_FALSE(buf.requires_grad());
@@ -199,21 +217,29 @@ TEST(Leaf, OutputValidationNamesTheDifference) {
       [](const TensorList& in) { return TensorList{in[0].sum(0)}; },
       [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; },
       torchleaf::LeafOptions().validate(true));
-  EXPECT_THROW_WITH(leaf({torch::ones({2, 3})}), "has shape [3] but its fake implementation gives shape [2, 3]");
+  EXPECT_THROW_WITH(
+      leaf({torch::ones({2, 3})}),
+      "has shape [3] but its fake implementation gives shape [2, 3]");
 
   auto dtype_leaf = torchleaf::define_leaf(
       unique_name("dtype"),
       [](const TensorList& in) { return TensorList{in[0].to(torch::kDouble)}; },
       [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; },
       torchleaf::LeafOptions().validate(true));
-  EXPECT_THROW_WITH(dtype_leaf({torch::ones({2})}), "has dtype Double but its fake implementation gives dtype Float");
+  EXPECT_THROW_WITH(
+      dtype_leaf({torch::ones({2})}),
+      "has dtype Double but its fake implementation gives dtype Float");
 
   auto count_leaf = torchleaf::define_leaf(
       unique_name("count"),
-      [](const TensorList& in) { return TensorList{in[0] + 1, in[0] - 1}; },
+      [](const TensorList& in) {
+        return TensorList{in[0] + 1, in[0] - 1};
+      },
       [](const TensorList& in) { return TensorList{at::empty_like(in[0])}; },
       torchleaf::LeafOptions().validate(true));
-  EXPECT_THROW_WITH(count_leaf({torch::ones({2})}), "returned 2 tensor(s) but its fake implementation returned 1");
+  EXPECT_THROW_WITH(
+      count_leaf({torch::ones({2})}),
+      "returned 2 tensor(s) but its fake implementation returned 1");
 
   // Validation off (the default): the mismatch is not looked for.
   auto lax = torchleaf::define_leaf(
@@ -230,9 +256,12 @@ TEST(Leaf, OutputValidationNamesTheDifference) {
 TEST(Leaf, OutputsNeverAliasInputs) {
   auto identity = torchleaf::define_leaf(
       unique_name("identity"),
-      [](const TensorList& in) { return TensorList{in[0], in[0].view({-1})}; },
       [](const TensorList& in) {
-        return TensorList{at::empty_like(in[0]), at::empty({in[0].numel()}, in[0].options())};
+        return TensorList{in[0], in[0].view({-1})};
+      },
+      [](const TensorList& in) {
+        return TensorList{
+            at::empty_like(in[0]), at::empty({in[0].numel()}, in[0].options())};
       });
   auto x = torch::ones({2, 2});
   auto out = identity({x});
@@ -256,7 +285,8 @@ TEST(Leaf, ProfilersSeeTheLeafsOperatorAndItsRealFunction) {
         return nullptr;
       }));
   const auto name = unique_name("profiled");
-  auto leaf = torchleaf::define_leaf(name, [](const TensorList& in) { return TensorList{in[0] + 1}; });
+  auto leaf = torchleaf::define_leaf(
+      name, [](const TensorList& in) { return TensorList{in[0] + 1}; });
   auto x = torch::randn({3}, torch::requires_grad());
   leaf({x})[0].sum().backward();
   at::removeCallback(handle);

@@ -9,16 +9,27 @@ using torchleaf::TensorList;
 
 namespace {
 
-using ForwardSig = std::tuple<TensorList, at::Tensor>(int64_t, int64_t, at::TensorList, at::IntArrayRef);
+using ForwardSig = std::tuple<TensorList, at::Tensor>(
+    int64_t,
+    int64_t,
+    at::TensorList,
+    at::IntArrayRef);
 using BackwardSig = TensorList(
-    int64_t, const at::Tensor&, const c10::List<std::optional<at::Tensor>>&, c10::SymIntArrayRef);
+    int64_t,
+    const at::Tensor&,
+    const c10::List<std::optional<at::Tensor>>&,
+    c10::SymIntArrayRef);
 
 c10::TypedOperatorHandle<ForwardSig> forward_op() {
-  return c10::Dispatcher::singleton().findSchemaOrThrow("torchleaf::forward", "").typed<ForwardSig>();
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("torchleaf::forward", "")
+      .typed<ForwardSig>();
 }
 
 c10::TypedOperatorHandle<BackwardSig> backward_op() {
-  return c10::Dispatcher::singleton().findSchemaOrThrow("torchleaf::backward", "").typed<BackwardSig>();
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("torchleaf::backward", "")
+      .typed<BackwardSig>();
 }
 
 torchleaf::LeafFunction square_leaf() {
@@ -36,16 +47,20 @@ std::vector<c10::SymInt> meta(std::initializer_list<int64_t> values) {
 
 TEST(Operators, UnknownLeafIds) {
   auto x = torch::ones({2});
-  EXPECT_THROW_WITH(forward_op().call(12345, 0, {x}, {0}), "no leaf function has id 12345");
+  EXPECT_THROW_WITH(
+      forward_op().call(12345, 0, {x}, {0}), "no leaf function has id 12345");
   // Ids with the named bit set name C++ leaves.
   EXPECT_THROW_WITH(
-      forward_op().call(int64_t{1} << 62 | 7, 0, {x}, {0}), "no C++ leaf function has id");
+      forward_op().call(int64_t{1} << 62 | 7, 0, {x}, {0}),
+      "no C++ leaf function has id");
 }
 
 TEST(Operators, MalformedInputMetaIsAnErrorInTheMetaKernel) {
   auto leaf = square_leaf();
-  auto state = torch::empty({}, torch::dtype(torch::kLong).device(torch::kMeta));
-  c10::List<std::optional<at::Tensor>> grads({torch::empty({2}, torch::device(torch::kMeta))});
+  auto state =
+      torch::empty({}, torch::dtype(torch::kLong).device(torch::kMeta));
+  c10::List<std::optional<at::Tensor>> grads(
+      {torch::empty({2}, torch::device(torch::kMeta))});
   auto backward = backward_op();
   const auto f32 = static_cast<int64_t>(at::kFloat);
   const auto cpu = static_cast<int64_t>(c10::DeviceType::CPU);
@@ -53,20 +68,27 @@ TEST(Operators, MalformedInputMetaIsAnErrorInTheMetaKernel) {
   auto ok = backward.call(leaf.id(), state, grads, meta({f32, cpu, -1, 1, 2}));
   ASSERT_EQ(ok.size(), 1u);
   EXPECT_EQ(ok[0].sizes(), at::IntArrayRef({2}));
-  EXPECT_THROW_WITH(backward.call(leaf.id(), state, grads, meta({f32, cpu})),
-                    "shorter than its 4-entry header");
-  EXPECT_THROW_WITH(backward.call(leaf.id(), state, grads, meta({f32, cpu, -1, 1000, 2})),
-                    "ndim 1000 does not fit");
-  EXPECT_THROW_WITH(backward.call(leaf.id(), state, grads, meta({f32, cpu, -1, -1})),
-                    "ndim -1 does not fit");
-  EXPECT_THROW_WITH(backward.call(leaf.id(), state, grads, meta({999, cpu, -1, 0})),
-                    "unknown dtype code 999");
-  EXPECT_THROW_WITH(backward.call(leaf.id(), state, grads, meta({f32, 4096, -1, 0})),
-                    "unknown device type code 4096");
-  EXPECT_THROW_WITH(backward.call(leaf.id(), state, grads, meta({f32, cpu, -1, 1, -3})),
-                    "negative size -3");
+  EXPECT_THROW_WITH(
+      backward.call(leaf.id(), state, grads, meta({f32, cpu})),
+      "shorter than its 4-entry header");
+  EXPECT_THROW_WITH(
+      backward.call(leaf.id(), state, grads, meta({f32, cpu, -1, 1000, 2})),
+      "ndim 1000 does not fit");
+  EXPECT_THROW_WITH(
+      backward.call(leaf.id(), state, grads, meta({f32, cpu, -1, -1})),
+      "ndim -1 does not fit");
+  EXPECT_THROW_WITH(
+      backward.call(leaf.id(), state, grads, meta({999, cpu, -1, 0})),
+      "unknown dtype code 999");
+  EXPECT_THROW_WITH(
+      backward.call(leaf.id(), state, grads, meta({f32, 4096, -1, 0})),
+      "unknown device type code 4096");
+  EXPECT_THROW_WITH(
+      backward.call(leaf.id(), state, grads, meta({f32, cpu, -1, 1, -3})),
+      "negative size -3");
   // The message names the leaf.
-  EXPECT_THROW_WITH(backward.call(leaf.id(), state, grads, meta({f32})), leaf.name());
+  EXPECT_THROW_WITH(
+      backward.call(leaf.id(), state, grads, meta({f32})), leaf.name());
 }
 
 TEST(Operators, CarriedIntsAreCheckedAgainstTheFakes) {
@@ -76,7 +98,9 @@ TEST(Operators, CarriedIntsAreCheckedAgainstTheFakes) {
   auto check = c10::Dispatcher::singleton()
                    .findSchemaOrThrow("torchleaf::check_carried_int", "")
                    .typed<CheckSig>();
-  auto carrier = [](int64_t size) { return torch::empty_strided({size}, {0}, torch::kLong); };
+  auto carrier = [](int64_t size) {
+    return torch::empty_strided({size}, {0}, torch::kLong);
+  };
   check.call("mylib.f", carrier(5), c10::SymInt(5), false);
   EXPECT_THROW_WITH(
       check.call("mylib.f", carrier(6), c10::SymInt(5), false),
@@ -87,12 +111,14 @@ TEST(Operators, CarriedIntsAreCheckedAgainstTheFakes) {
       check.call("mylib.f", carrier(7), c10::SymInt(6), true),
       "returned the int -4 where its fake implementation returned 3");
   EXPECT_THROW_WITH(
-      check.call("mylib.f", torch::zeros({}, torch::kLong), c10::SymInt(0), false),
+      check.call(
+          "mylib.f", torch::zeros({}, torch::kLong), c10::SymInt(0), false),
       "got a 0-d int carrier");
 }
 
 TEST(Operators, SymbolicOutputSizesAreCheckedAgainstTheFakes) {
-  using CheckSig = void(c10::string_view, int64_t, const at::Tensor&, c10::SymIntArrayRef);
+  using CheckSig =
+      void(c10::string_view, int64_t, const at::Tensor&, c10::SymIntArrayRef);
   auto check = c10::Dispatcher::singleton()
                    .findSchemaOrThrow("torchleaf::check_output_sizes", "")
                    .typed<CheckSig>();
@@ -103,7 +129,8 @@ TEST(Operators, SymbolicOutputSizesAreCheckedAgainstTheFakes) {
       "leaf function 'mylib.f' output 1 has shape [3, 2] but its fake implementation "
       "returned shape [4, 2]");
   EXPECT_THROW_WITH(
-      check.call("mylib.f", 0, torch::empty({4}), four_by_two), "has shape [4] but");
+      check.call("mylib.f", 0, torch::empty({4}), four_by_two),
+      "has shape [4] but");
 }
 
 TEST(Operators, StateHandlesAreChecked) {
@@ -117,20 +144,31 @@ TEST(Operators, StateHandlesAreChecked) {
 
   auto good = backward.call(leaf.id(), handle, grads, {});
   EXPECT_TRUE(torch::allclose(good[0], 2 * x));
-  EXPECT_THROW_WITH(backward.call(leaf.id(), torch::zeros({}), grads, {}), "is not a state handle");
   EXPECT_THROW_WITH(
-      backward.call(leaf.id(), torch::zeros({2}, torch::kLong), grads, {}), "is not a state handle");
+      backward.call(leaf.id(), torch::zeros({}), grads, {}),
+      "is not a state handle");
+  EXPECT_THROW_WITH(
+      backward.call(leaf.id(), torch::zeros({2}, torch::kLong), grads, {}),
+      "is not a state handle");
   // An int64 scalar that merely holds a live state's number is not a handle.
   EXPECT_THROW_WITH(
-      backward.call(leaf.id(), handle.clone(), grads, {}), "is not a state handle");
-  EXPECT_THROW_WITH(backward.call(leaf.id(), at::Tensor(), grads, {}), "is not a state handle");
-  EXPECT_THROW_WITH(backward.call(leaf.id(), other_handle, grads, {}),
-                    "received the state handle of a call of leaf function '" + other.name());
+      backward.call(leaf.id(), handle.clone(), grads, {}),
+      "is not a state handle");
+  EXPECT_THROW_WITH(
+      backward.call(leaf.id(), at::Tensor(), grads, {}),
+      "is not a state handle");
+  EXPECT_THROW_WITH(
+      backward.call(leaf.id(), other_handle, grads, {}),
+      "received the state handle of a call of leaf function '" + other.name());
   // A wrong number of gradients.
-  c10::List<std::optional<at::Tensor>> two({torch::ones({3}), torch::ones({3})});
-  EXPECT_THROW_WITH(backward.call(leaf.id(), handle, two, {}), "received 2 gradient(s) for 1 output(s)");
+  c10::List<std::optional<at::Tensor>> two(
+      {torch::ones({3}), torch::ones({3})});
+  EXPECT_THROW_WITH(
+      backward.call(leaf.id(), handle, two, {}),
+      "received 2 gradient(s) for 1 output(s)");
   // Still usable, and nothing leaked.
-  EXPECT_TRUE(torch::allclose(backward.call(leaf.id(), handle, grads, {})[0], 2 * x));
+  EXPECT_TRUE(
+      torch::allclose(backward.call(leaf.id(), handle, grads, {})[0], 2 * x));
   handle.reset();
   other_handle.reset();
   EXPECT_EQ(torchleaf::live_states(), 0);
@@ -146,7 +184,9 @@ TEST(Operators, OutputsHeldElsewhereReachGraphsAsCopies) {
   auto table = torch::arange(4.0);
   auto leaf = torchleaf::define_leaf(
       unique_name("lookup"),
-      [table](const TensorList& in) { return TensorList{table, in[0]}; },
+      [table](const TensorList& in) {
+        return TensorList{table, in[0]};
+      },
       [](const TensorList& in) {
         return TensorList{at::empty_like(in[0]), at::empty_like(in[0])};
       });
@@ -173,15 +213,21 @@ TEST(Operators, StackedHandlesReplayEachCall) {
     auto [outs0, h0] = forward_op().call(leaf.id(), 0, {x0}, {0});
     auto [outs1, h1] = forward_op().call(leaf.id(), 0, {x1}, {0});
     stacked = stack.call({h0, h1});
-    EXPECT_THROW_WITH(stack.call({h0, torch::zeros({}, torch::kLong)}), "has no captured state");
-    EXPECT_THROW_WITH(stack.call({h0, stacked}), "expected state handles of shape");
+    EXPECT_THROW_WITH(
+        stack.call({h0, torch::zeros({}, torch::kLong)}),
+        "has no captured state");
+    EXPECT_THROW_WITH(
+        stack.call({h0, stacked}), "expected state handles of shape");
   }
   EXPECT_EQ(stacked.sizes(), at::IntArrayRef({2}));
   EXPECT_EQ(torchleaf::live_states(), 2); // held by the stacked handle alone
   c10::List<std::optional<at::Tensor>> grads({torch::ones({3})});
-  EXPECT_TRUE(torch::allclose(backward_op().call(leaf.id(), stacked[1], grads, {})[0], 2 * x1));
-  EXPECT_TRUE(torch::allclose(backward_op().call(leaf.id(), stacked[0], grads, {})[0], 2 * x0));
-  auto meta = stack.call({torch::empty({}, torch::dtype(torch::kLong).device(torch::kMeta))});
+  EXPECT_TRUE(torch::allclose(
+      backward_op().call(leaf.id(), stacked[1], grads, {})[0], 2 * x1));
+  EXPECT_TRUE(torch::allclose(
+      backward_op().call(leaf.id(), stacked[0], grads, {})[0], 2 * x0));
+  auto meta = stack.call(
+      {torch::empty({}, torch::dtype(torch::kLong).device(torch::kMeta))});
   EXPECT_EQ(meta.sizes(), at::IntArrayRef({1}));
   EXPECT_TRUE(meta.is_meta());
   stacked.reset();
@@ -191,8 +237,12 @@ TEST(Operators, StackedHandlesReplayEachCall) {
 TEST(Operators, DifferentiableIndicesAreChecked) {
   auto leaf = square_leaf();
   auto x = torch::randn({3});
-  EXPECT_THROW_WITH(forward_op().call(leaf.id(), 0, {x}, {3}), "differentiable input index 3 is out of range");
-  EXPECT_THROW_WITH(forward_op().call(leaf.id(), 0, {x}, {-1}), "differentiable input index -1 is out of range");
+  EXPECT_THROW_WITH(
+      forward_op().call(leaf.id(), 0, {x}, {3}),
+      "differentiable input index 3 is out of range");
+  EXPECT_THROW_WITH(
+      forward_op().call(leaf.id(), 0, {x}, {-1}),
+      "differentiable input index -1 is out of range");
   EXPECT_EQ(torchleaf::live_states(), 0);
 }
 
@@ -200,20 +250,27 @@ TEST(Operators, DifferentiableIndicesAreChecked) {
 TEST(Operators, FailedDefinitionLeavesNoTrace) {
   const std::string name = "cpptest_taken::op";
   auto squatter = std::make_unique<torch::Library>(
-      torch::Library::FRAGMENT, "cpptest_taken", std::nullopt, __FILE__, __LINE__);
+      torch::Library::FRAGMENT,
+      "cpptest_taken",
+      std::nullopt,
+      __FILE__,
+      __LINE__);
   squatter->def("op(Tensor x) -> Tensor");
   auto twice = [](const TensorList& in) { return TensorList{in[0] * 2}; };
   try {
     torchleaf::define_leaf(name, twice);
     ADD_FAILURE() << "defining over an existing operator should fail";
   } catch (const c10::Error& e) {
-    EXPECT_EQ(std::string(e.what()).find("is already defined"), std::string::npos) << e.what();
+    EXPECT_EQ(
+        std::string(e.what()).find("is already defined"), std::string::npos)
+        << e.what();
   }
   EXPECT_FALSE(torchleaf::find_leaf(name).has_value());
   squatter.reset(); // the operator is gone: now the name is free
   auto leaf = torchleaf::define_leaf(name, twice);
   EXPECT_TRUE(torchleaf::find_leaf(name).has_value());
-  EXPECT_TRUE(torch::allclose(leaf({torch::ones({2})})[0], torch::full({2}, 2.0)));
+  EXPECT_TRUE(
+      torch::allclose(leaf({torch::ones({2})})[0], torch::full({2}, 2.0)));
 }
 
 // torchleaf::forward's Autograd kernel: a compiled graph calls it with grad

@@ -11,19 +11,26 @@
 #include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/utils.h>
-#include <torch/csrc/autograd/graph_task.h>
 
-#include "csrc/capture.h" // TORCHLEAF_INLINE_REPLAY_SUPPORTED
+#include "csrc/replay.h" // TORCHLEAF_INLINE_REPLAY_SUPPORTED, runs_without_python
+#include "csrc/torch_private.h"
 
-using torchleaf::TensorList;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+using torchleaf::TensorList;
 
 namespace {
 
-using ForwardSig = std::tuple<TensorList, at::Tensor>(int64_t, int64_t, at::TensorList, at::IntArrayRef);
+using ForwardSig = std::tuple<TensorList, at::Tensor>(
+    int64_t,
+    int64_t,
+    at::TensorList,
+    at::IntArrayRef);
 using BackwardSig = TensorList(
-    int64_t, const at::Tensor&, const c10::List<std::optional<at::Tensor>>&, c10::SymIntArrayRef);
+    int64_t,
+    const at::Tensor&,
+    const c10::List<std::optional<at::Tensor>>&,
+    c10::SymIntArrayRef);
 
 // The graph task the probe's backward last ran in (-1: none), and how often.
 std::atomic<int> g_probe_task{-2};
@@ -36,7 +43,7 @@ struct Probe : public torch::autograd::Function<Probe> {
     return x.clone();
   }
   static variable_list backward(AutogradContext*, variable_list grads) {
-    g_probe_task = torch::autograd::get_current_graph_task_id();
+    g_probe_task = torchleaf::torch_private::current_graph_task_id();
     g_probe_grad_dtype = grads[0].scalar_type();
     ++g_probe_runs;
     return grads;
@@ -67,8 +74,9 @@ std::tuple<TensorList, at::Tensor> forward(
     const torchleaf::LeafFunction& leaf,
     const TensorList& inputs,
     const std::vector<int64_t>& differentiable) {
-  static auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("torchleaf::forward", "").typed<ForwardSig>();
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchleaf::forward", "")
+                       .typed<ForwardSig>();
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return op.call(leaf.id(), 0, inputs, differentiable);
 }
@@ -81,8 +89,9 @@ TensorList replay(
     const std::vector<std::optional<at::Tensor>>& grads,
     bool inline_replay,
     Path expected) {
-  static auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("torchleaf::backward", "").typed<BackwardSig>();
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchleaf::backward", "")
+                       .typed<BackwardSig>();
   InlineReplayGuard restore;
   torchleaf::Config::set_inline_replay(inline_replay);
   const int runs = g_probe_runs;
@@ -93,9 +102,11 @@ TensorList replay(
   TensorList out;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    out = op.call(leaf.id(), state, g, {}); // the real kernel needs no input_meta
+    out =
+        op.call(leaf.id(), state, g, {}); // the real kernel needs no input_meta
   }
-  EXPECT_EQ(g_probe_runs, runs + 1) << "the probe must be in the replayed graph";
+  EXPECT_EQ(g_probe_runs, runs + 1)
+      << "the probe must be in the replayed graph";
   if (expected == Path::Inline) {
     EXPECT_EQ(g_probe_task, -1) << "expected the inline replay";
   } else {
@@ -104,17 +115,23 @@ TensorList replay(
   return out;
 }
 
-void expect_same(const TensorList& a, const TensorList& b, const std::string& what) {
+void expect_same(
+    const TensorList& a,
+    const TensorList& b,
+    const std::string& what) {
   ASSERT_EQ(a.size(), b.size()) << what;
   for (size_t i = 0; i < a.size(); ++i) {
     ASSERT_EQ(a[i].defined(), b[i].defined()) << what << " gradient " << i;
     if (!a[i].defined()) {
       continue;
     }
-    EXPECT_EQ(a[i].scalar_type(), b[i].scalar_type()) << what << " gradient " << i;
+    EXPECT_EQ(a[i].scalar_type(), b[i].scalar_type())
+        << what << " gradient " << i;
     EXPECT_EQ(a[i].sizes(), b[i].sizes()) << what << " gradient " << i;
-    EXPECT_TRUE(torch::allclose(a[i], b[i])) << what << " gradient " << i << ":\n"
-                                             << a[i] << "\nvs\n" << b[i];
+    EXPECT_TRUE(torch::allclose(a[i], b[i]))
+        << what << " gradient " << i << ":\n"
+        << a[i] << "\nvs\n"
+        << b[i];
   }
 }
 
@@ -136,8 +153,14 @@ void compare(
   auto inlined = replay(leaf, state, grads, true, inline_path);
   auto engine = replay(leaf, state, grads, false, Path::Engine);
   expect_same(inlined, engine, "inline vs engine");
-  expect_same(replay(leaf, state, grads, true, inline_path), inlined, "inline, replayed again");
-  expect_same(replay(leaf, state, grads, false, Path::Engine), engine, "engine, replayed again");
+  expect_same(
+      replay(leaf, state, grads, true, inline_path),
+      inlined,
+      "inline, replayed again");
+  expect_same(
+      replay(leaf, state, grads, false, Path::Engine),
+      engine,
+      "engine, replayed again");
 
   // Ground truth: the body's own graph. Inputs the outputs do not reach get
   // zeros from replay (a traced backward expects a tensor per input).
@@ -158,7 +181,8 @@ void compare(
   for (auto i : differentiable) {
     wrt.push_back(leaves[i]);
   }
-  auto ref = torch::autograd::grad(roots, wrt, root_grads, false, false, /*allow_unused=*/true);
+  auto ref = torch::autograd::grad(
+      roots, wrt, root_grads, false, false, /*allow_unused=*/true);
   for (size_t k = 0; k < ref.size(); ++k) {
     if (!ref[k].defined()) {
       ref[k] = torch::zeros_like(wrt[k]);
@@ -179,7 +203,9 @@ TEST(Replay, InlineAndEngineAgreeOnAChain) {
       [](const TensorList& in) {
         return TensorList{probe((in[0] * 2).sin() * in[0].exp()).tanh().sum(0)};
       },
-      {randn({3, 4})}, {0}, {randn({4})});
+      {randn({3, 4})},
+      {0},
+      {randn({4})});
 }
 
 TEST(Replay, InlineAndEngineAgreeOnADiamondAccumulatingIntoOneInput) {
@@ -192,7 +218,9 @@ TEST(Replay, InlineAndEngineAgreeOnADiamondAccumulatingIntoOneInput) {
         auto c = a.cos() + in[1];
         return TensorList{b * c + a + in[0] * 3};
       },
-      {randn({5}), randn({5})}, {0, 1}, {randn({5})});
+      {randn({5}), randn({5})},
+      {0, 1},
+      {randn({5})});
 }
 
 TEST(Replay, InlineAndEngineAgreeOnMultipleOutputsWithSomeGradientsMissing) {
@@ -202,7 +230,9 @@ TEST(Replay, InlineAndEngineAgreeOnMultipleOutputsWithSomeGradientsMissing) {
         auto h = probe(in[0] * in[1]);
         return TensorList{h.sin(), h * 2, in[1].exp(), h.sum()};
       },
-      {randn({4}), randn({4})}, {0, 1}, {randn({4}), std::nullopt, randn({4}), std::nullopt});
+      {randn({4}), randn({4})},
+      {0, 1},
+      {randn({4}), std::nullopt, randn({4}), std::nullopt});
 }
 
 TEST(Replay, InlineAndEngineAgreeOnMultiOutputNodesWithPartialGradients) {
@@ -215,14 +245,18 @@ TEST(Replay, InlineAndEngineAgreeOnMultiOutputNodesWithPartialGradients) {
         auto rows = in[0].unbind(0);
         return TensorList{pieces[0] * 3, pieces[2].sin(), rows[1].exp()};
       },
-      {randn({6, 3})}, {0}, {randn({2, 3}), randn({2, 3}), std::nullopt});
+      {randn({6, 3})},
+      {0},
+      {randn({2, 3}), randn({2, 3}), std::nullopt});
 }
 
 TEST(Replay, UnusedInputsGetZerosOnBothPaths) {
   compare(
       "unused",
       [](const TensorList& in) { return TensorList{probe(in[0]) * 2}; },
-      {randn({3}), randn({2, 2})}, {0, 1}, {randn({3})});
+      {randn({3}), randn({2, 2})},
+      {0, 1},
+      {randn({3})});
 }
 
 TEST(Replay, IntegerOutputsAndInputs) {
@@ -234,7 +268,9 @@ TEST(Replay, IntegerOutputsAndInputs) {
         auto h = probe(in[0] * in[1].to(at::kDouble));
         return TensorList{(h > 0).to(at::kLong), h.sin(), h.argmax()};
       },
-      {randn({4}), torch::arange(4)}, {0}, {std::nullopt, randn({4}), std::nullopt});
+      {randn({4}), torch::arange(4)},
+      {0},
+      {std::nullopt, randn({4}), std::nullopt});
 }
 
 TEST(Replay, ViewsAndInPlaceOnViews) {
@@ -249,43 +285,56 @@ TEST(Replay, ViewsAndInPlaceOnViews) {
         c.narrow(1, 1, 2).add_(row.narrow(0, 0, 2));
         return TensorList{t, row, c.view({-1}), h.as_strided({2, 2}, {1, 3})};
       },
-      {randn({3, 3}), randn({3})}, {0, 1}, {randn({3, 3}), randn({3}), randn({9}), randn({2, 2})});
+      {randn({3, 3}), randn({3})},
+      {0, 1},
+      {randn({3, 3}), randn({3}), randn({9}), randn({2, 2})});
 }
 
 TEST(Replay, RootGradientsAreValidatedAsTheEngineDoes) {
   // A float output gets a double gradient of a broadcastable shape: the
   // engine casts and sums it before it enters the graph, and so must the
   // inline path (the probe is the output's node and sees what enters).
-  auto body = [](const TensorList& in) { return TensorList{probe(in[0].to(at::kFloat).sin())}; };
+  auto body = [](const TensorList& in) {
+    return TensorList{probe(in[0].to(at::kFloat).sin())};
+  };
   compare("root_dtype", body, {randn({4})}, {0}, {randn({2, 4})});
   auto leaf = torchleaf::define_leaf(unique_name("root_dtype"), body);
   auto [outputs, state] = forward(leaf, {randn({4})}, {0});
   for (bool inline_replay : {true, false}) {
     g_probe_grad_dtype = at::ScalarType::Undefined;
-    replay(leaf, state, {randn({2, 4})}, inline_replay,
-           inline_replay && kInlineSupported ? Path::Inline : Path::Engine);
-    EXPECT_EQ(g_probe_grad_dtype, at::kFloat) << "inline_replay=" << inline_replay;
+    replay(
+        leaf,
+        state,
+        {randn({2, 4})},
+        inline_replay,
+        inline_replay && kInlineSupported ? Path::Inline : Path::Engine);
+    EXPECT_EQ(g_probe_grad_dtype, at::kFloat)
+        << "inline_replay=" << inline_replay;
   }
   // A shape that does not broadcast is the engine's error on both paths.
   for (bool inline_replay : {true, false}) {
     InlineReplayGuard restore;
     torchleaf::Config::set_inline_replay(inline_replay);
-    static auto op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("torchleaf::backward", "").typed<BackwardSig>();
-    c10::List<std::optional<at::Tensor>> g({std::optional<at::Tensor>(randn({3}))});
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("torchleaf::backward", "")
+                         .typed<BackwardSig>();
+    c10::List<std::optional<at::Tensor>> g(
+        {std::optional<at::Tensor>(randn({3}))});
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    EXPECT_THROW_WITH(op.call(leaf.id(), state, g, {}), "invalid gradient at index 0");
+    EXPECT_THROW_WITH(
+        op.call(leaf.id(), state, g, {}), "invalid gradient at index 0");
   }
 }
 
 TEST(Replay, LargeGraphsGoToTheEngine) {
-  auto leaf = torchleaf::define_leaf(unique_name("large"), [](const TensorList& in) {
-    auto h = probe(in[0]);
-    for (int i = 0; i < 40; ++i) {
-      h = h * 1.01 + 0.1;
-    }
-    return TensorList{h};
-  });
+  auto leaf =
+      torchleaf::define_leaf(unique_name("large"), [](const TensorList& in) {
+        auto h = probe(in[0]);
+        for (int i = 0; i < 40; ++i) {
+          h = h * 1.01 + 0.1;
+        }
+        return TensorList{h};
+      });
   auto [outputs, state] = forward(leaf, {randn({3})}, {0});
   auto a = replay(leaf, state, {randn({3})}, true, Path::Engine);
   auto b = replay(leaf, state, {a[0]}, false, Path::Engine);
@@ -293,13 +342,14 @@ TEST(Replay, LargeGraphsGoToTheEngine) {
 }
 
 TEST(Replay, AnomalyModeGoesToTheEngine) {
-  auto leaf = torchleaf::define_leaf(unique_name("anomaly"), [](const TensorList& in) {
-    return TensorList{probe(in[0]).sin()};
-  });
+  auto leaf = torchleaf::define_leaf(
+      unique_name("anomaly"),
+      [](const TensorList& in) { return TensorList{probe(in[0]).sin()}; });
   auto x = randn({3});
   auto [outputs, state] = forward(leaf, {x}, {0});
   torch::autograd::DetectAnomalyGuard anomaly;
-  auto g = replay(leaf, state, {torch::ones({3}, torch::kDouble)}, true, Path::Engine);
+  auto g = replay(
+      leaf, state, {torch::ones({3}, torch::kDouble)}, true, Path::Engine);
   EXPECT_TRUE(torch::allclose(g[0], x.cos()));
 }
 
@@ -317,7 +367,9 @@ struct Doubling : public torch::autograd::FunctionPreHook {
 
 struct CountingPostHook : public torch::autograd::FunctionPostHook {
   explicit CountingPostHook(int* count) : count_(count) {}
-  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+  variable_list operator()(
+      const variable_list& outputs,
+      const variable_list& /*inputs*/) override {
     ++*count_;
     return outputs;
   }
@@ -327,12 +379,16 @@ struct CountingPostHook : public torch::autograd::FunctionPostHook {
 // Replays a captured f(x) = 3 * probe(g(x)) with inline replay on, where
 // `hook` installs something on g's output inside the real function;
 // returns d/dx.
-at::Tensor replay_with(const std::string& base, std::function<void(at::Tensor&)> hook, const at::Tensor& x) {
-  auto leaf = torchleaf::define_leaf(unique_name(base), [hook](const TensorList& in) {
-    auto h = in[0].sin();
-    hook(h);
-    return TensorList{probe(h) * 3};
-  });
+at::Tensor replay_with(
+    const std::string& base,
+    std::function<void(at::Tensor&)> hook,
+    const at::Tensor& x) {
+  auto leaf =
+      torchleaf::define_leaf(unique_name(base), [hook](const TensorList& in) {
+        auto h = in[0].sin();
+        hook(h);
+        return TensorList{probe(h) * 3};
+      });
   auto [outputs, state] = forward(leaf, {x}, {0});
   return replay(leaf, state, {torch::ones_like(x)}, true, Path::Engine)[0];
 }
@@ -341,22 +397,31 @@ at::Tensor replay_with(const std::string& base, std::function<void(at::Tensor&)>
 
 TEST(Replay, TensorHooksGoToTheEngine) {
   auto x = randn({3});
-  auto g = replay_with("tensor_hook", [](at::Tensor& h) {
-    h.register_hook([](const at::Tensor& grad) { return grad * 2; });
-  }, x);
+  auto g = replay_with(
+      "tensor_hook",
+      [](at::Tensor& h) {
+        h.register_hook([](const at::Tensor& grad) { return grad * 2; });
+      },
+      x);
   EXPECT_TRUE(torch::allclose(g, 6 * x.cos())); // the hook ran
 }
 
 TEST(Replay, NodePreAndPostHooksGoToTheEngine) {
   auto x = randn({3});
-  auto g = replay_with("pre_hook", [](at::Tensor& h) {
-    h.grad_fn()->add_pre_hook(std::make_unique<Doubling>());
-  }, x);
+  auto g = replay_with(
+      "pre_hook",
+      [](at::Tensor& h) {
+        h.grad_fn()->add_pre_hook(std::make_unique<Doubling>());
+      },
+      x);
   EXPECT_TRUE(torch::allclose(g, 6 * x.cos()));
   int posts = 0;
-  g = replay_with("post_hook", [&posts](at::Tensor& h) {
-    h.grad_fn()->add_post_hook(std::make_unique<CountingPostHook>(&posts));
-  }, x);
+  g = replay_with(
+      "post_hook",
+      [&posts](at::Tensor& h) {
+        h.grad_fn()->add_post_hook(std::make_unique<CountingPostHook>(&posts));
+      },
+      x);
   EXPECT_TRUE(torch::allclose(g, 3 * x.cos()));
   EXPECT_EQ(posts, 1);
 }
@@ -364,20 +429,25 @@ TEST(Replay, NodePreAndPostHooksGoToTheEngine) {
 TEST(Replay, RetainGradGoesToTheEngine) {
   auto x = randn({3});
   at::Tensor retained;
-  auto g = replay_with("retain_grad", [&retained](at::Tensor& h) {
-    h.retain_grad();
-    retained = h;
-  }, x);
+  auto g = replay_with(
+      "retain_grad",
+      [&retained](at::Tensor& h) {
+        h.retain_grad();
+        retained = h;
+      },
+      x);
   EXPECT_TRUE(torch::allclose(g, 3 * x.cos()));
   ASSERT_TRUE(retained.grad().defined());
-  EXPECT_TRUE(torch::allclose(retained.grad(), torch::full({3}, 3.0, torch::kDouble)));
+  EXPECT_TRUE(
+      torch::allclose(retained.grad(), torch::full({3}, 3.0, torch::kDouble)));
 }
 
 namespace {
 
 // A node whose backward is a lambda.
 struct LambdaNode : public torch::autograd::Node {
-  explicit LambdaNode(std::function<variable_list(variable_list&&)> fn) : fn_(std::move(fn)) {}
+  explicit LambdaNode(std::function<variable_list(variable_list&&)> fn)
+      : fn_(std::move(fn)) {}
   variable_list apply(variable_list&& grads) override {
     return fn_(std::move(grads));
   }
@@ -391,26 +461,28 @@ TEST(Replay, NonCpuGraphsGoToTheEngine) {
   // all CPU, so the inline path must leave it to the engine. (The meta
   // device stands in for an accelerator; the root stays on the CPU so that
   // the dispatcher picks torchleaf::backward's real kernel.)
-  auto leaf = torchleaf::define_leaf(unique_name("non_cpu"), [](const TensorList& in) {
-    const auto meta = torch::dtype(torch::kDouble).device(torch::kMeta);
-    auto on_meta = c10::make_intrusive<LambdaNode>([](variable_list&&) {
-      g_probe_task = torch::autograd::get_current_graph_task_id();
-      ++g_probe_runs;
-      return variable_list{torch::ones({2}, torch::kDouble)};
-    });
-    on_meta->set_next_edges(torch::autograd::collect_next_edges(in[0]));
-    auto mid = torch::empty({2}, meta);
-    torch::autograd::set_history(mid, on_meta);
-    auto to_meta = c10::make_intrusive<LambdaNode>([meta](variable_list&&) {
-      return variable_list{torch::empty({2}, meta)};
-    });
-    to_meta->set_next_edges(torch::autograd::collect_next_edges(mid));
-    auto out = torch::zeros({2}, torch::kDouble);
-    torch::autograd::set_history(out, to_meta);
-    return TensorList{out};
-  });
+  auto leaf =
+      torchleaf::define_leaf(unique_name("non_cpu"), [](const TensorList& in) {
+        const auto meta = torch::dtype(torch::kDouble).device(torch::kMeta);
+        auto on_meta = c10::make_intrusive<LambdaNode>([](variable_list&&) {
+          g_probe_task = torchleaf::torch_private::current_graph_task_id();
+          ++g_probe_runs;
+          return variable_list{torch::ones({2}, torch::kDouble)};
+        });
+        on_meta->set_next_edges(torch::autograd::collect_next_edges(in[0]));
+        auto mid = torch::empty({2}, meta);
+        torch::autograd::set_history(mid, on_meta);
+        auto to_meta = c10::make_intrusive<LambdaNode>([meta](variable_list&&) {
+          return variable_list{torch::empty({2}, meta)};
+        });
+        to_meta->set_next_edges(torch::autograd::collect_next_edges(mid));
+        auto out = torch::zeros({2}, torch::kDouble);
+        torch::autograd::set_history(out, to_meta);
+        return TensorList{out};
+      });
   auto [outputs, state] = forward(leaf, {randn({2})}, {0});
-  auto g = replay(leaf, state, {torch::ones({2}, torch::kDouble)}, true, Path::Engine);
+  auto g = replay(
+      leaf, state, {torch::ones({2}, torch::kDouble)}, true, Path::Engine);
   ASSERT_EQ(g.size(), 1u);
   EXPECT_TRUE(torch::allclose(g[0], torch::ones({2}, torch::kDouble)));
 }
@@ -434,12 +506,18 @@ struct Replayer : public torch::autograd::Function<Replayer> {
     return out.clone();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("torchleaf::backward", "").typed<BackwardSig>();
-    g_outer_task = torch::autograd::get_current_graph_task_id();
-    c10::List<std::optional<at::Tensor>> g({std::optional<at::Tensor>(grads[0])});
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("torchleaf::backward", "")
+                         .typed<BackwardSig>();
+    g_outer_task = torchleaf::torch_private::current_graph_task_id();
+    c10::List<std::optional<at::Tensor>> g(
+        {std::optional<at::Tensor>(grads[0])});
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto in = op.call(ctx->saved_data["leaf"].toInt(), ctx->saved_data["state"].toTensor(), g, {});
+    auto in = op.call(
+        ctx->saved_data["leaf"].toInt(),
+        ctx->saved_data["state"].toTensor(),
+        g,
+        {});
     return {in[0], at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -449,9 +527,9 @@ struct Replayer : public torch::autograd::Function<Replayer> {
 TEST(Replay, AnEnclosingBackwardRestrictedToSomeInputsGoesToTheEngine) {
   InlineReplayGuard restore;
   torchleaf::Config::set_inline_replay(true);
-  auto leaf = torchleaf::define_leaf(unique_name("outer"), [](const TensorList& in) {
-    return TensorList{probe(in[0]).sin()};
-  });
+  auto leaf = torchleaf::define_leaf(
+      unique_name("outer"),
+      [](const TensorList& in) { return TensorList{probe(in[0]).sin()}; });
   auto x = randn({3}).requires_grad_(true);
   auto w = randn({3}).requires_grad_(true);
   auto [outputs, state] = forward(leaf, {x}, {0});
@@ -487,25 +565,33 @@ TEST(Replay, GradientsNeverShareStorageWithEachOtherOrTheIncomingGradients) {
   // incoming gradient through: a compiled backward graph owns the outputs
   // of torchleaf::backward and Inductor reuses their buffers in place, so
   // each must be a tensor of its own.
-  auto leaf = torchleaf::define_leaf(unique_name("alias"), [](const TensorList& in) {
-    auto s = probe(in[0] + in[1]);
-    return TensorList{s, in[2].clone()};
-  });
-  auto [outputs, state] = forward(leaf, {randn({3}), randn({3}), randn({3})}, {0, 1, 2});
+  auto leaf =
+      torchleaf::define_leaf(unique_name("alias"), [](const TensorList& in) {
+        auto s = probe(in[0] + in[1]);
+        return TensorList{s, in[2].clone()};
+      });
+  auto [outputs, state] =
+      forward(leaf, {randn({3}), randn({3}), randn({3})}, {0, 1, 2});
   for (bool inline_replay : {true, false}) {
     SCOPED_TRACE(inline_replay);
     auto g0 = randn({3});
     auto g1 = randn({3});
-    auto g = replay(leaf, state, {g0, g1}, inline_replay,
-                    inline_replay && kInlineSupported ? Path::Inline : Path::Engine);
+    auto g = replay(
+        leaf,
+        state,
+        {g0, g1},
+        inline_replay,
+        inline_replay && kInlineSupported ? Path::Inline : Path::Engine);
     ASSERT_EQ(g.size(), 3u);
     EXPECT_TRUE(torch::equal(g[0], g0));
     EXPECT_TRUE(torch::equal(g[1], g0));
     EXPECT_TRUE(torch::equal(g[2], g1));
     for (size_t i = 0; i < g.size(); ++i) {
-      EXPECT_FALSE(g[i].is_alias_of(g0) || g[i].is_alias_of(g1)) << "gradient " << i;
+      EXPECT_FALSE(g[i].is_alias_of(g0) || g[i].is_alias_of(g1))
+          << "gradient " << i;
       for (size_t j = 0; j < i; ++j) {
-        EXPECT_FALSE(g[i].is_alias_of(g[j])) << "gradients " << j << " and " << i;
+        EXPECT_FALSE(g[i].is_alias_of(g[j]))
+            << "gradients " << j << " and " << i;
       }
     }
   }
@@ -518,18 +604,22 @@ TEST(Replay, OnlyPyTorchFormulasAndTorchleafNodesCountAsPythonFree) {
   // slow every replay down unnoticed.
   auto x = randn({3}).requires_grad_();
   auto y = randn({3}).requires_grad_();
-  for (const auto& t : {x * 2, x + y, (x * y).sin(), x.view({3, 1}), x.expand({2, 3}).sum(0)}) {
-    EXPECT_TRUE(torchleaf::runs_without_python(*t.grad_fn())) << t.grad_fn()->name();
+  for (const auto& t :
+       {x * 2, x + y, (x * y).sin(), x.view({3, 1}), x.expand({2, 3}).sum(0)}) {
+    EXPECT_TRUE(torchleaf::runs_without_python(*t.grad_fn()))
+        << t.grad_fn()->name();
   }
   // A leaf whose output does not reach every input: its output's node is
   // torchleaf's own (attach_to_caller's routing node).
-  auto leaf = torchleaf::define_leaf(unique_name("routing"), [](const TensorList& in) {
-    return TensorList{in[0] * 2};
-  });
+  auto leaf = torchleaf::define_leaf(
+      unique_name("routing"),
+      [](const TensorList& in) { return TensorList{in[0] * 2}; });
   auto out = leaf({x, y});
   ASSERT_TRUE(out[0].grad_fn() != nullptr);
-  EXPECT_NE(out[0].grad_fn()->name().find("routing"), std::string::npos) << out[0].grad_fn()->name();
-  EXPECT_TRUE(torchleaf::runs_without_python(*out[0].grad_fn())) << out[0].grad_fn()->name();
+  EXPECT_NE(out[0].grad_fn()->name().find("routing"), std::string::npos)
+      << out[0].grad_fn()->name();
+  EXPECT_TRUE(torchleaf::runs_without_python(*out[0].grad_fn()))
+      << out[0].grad_fn()->name();
   // Anything else may run Python: a custom autograd::Function's node (here
   // C++, in general an extension's or PyTorch's Python autograd.Function).
   EXPECT_FALSE(torchleaf::runs_without_python(*probe(x).grad_fn()));

@@ -14,13 +14,13 @@ inline std::string unique_name(const std::string& base) {
   return "cpptest::" + base + std::to_string(counter++);
 }
 
-#define EXPECT_THROW_WITH(stmt, substring)                                   \
-  do {                                                                       \
-    try {                                                                    \
-      stmt;                                                                  \
+#define EXPECT_THROW_WITH(stmt, substring)                                  \
+  do {                                                                      \
+    try {                                                                   \
+      stmt;                                                                 \
       ADD_FAILURE() << "expected an exception containing: " << (substring); \
-    } catch (const c10::Error& e) {                                          \
-      EXPECT_NE(std::string(e.what()).find(substring), std::string::npos)    \
-          << "message was: " << e.what();                                    \
-    }                                                                        \
+    } catch (const c10::Error& e) {                                         \
+      EXPECT_NE(std::string(e.what()).find(substring), std::string::npos)   \
+          << "message was: " << e.what();                                   \
+    }                                                                       \
   } while (0)

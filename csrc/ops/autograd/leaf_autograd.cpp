@@ -7,25 +7,22 @@
 // autograd state.
 //
 // In plain eager mode nothing needs to be recorded, so the captured graph is
-// attached to the caller's graph directly (attach_to_caller): backward then
+// attached to the caller's graph directly (run_real_attached): backward then
 // costs what the function's own backward costs, with no replay.
 
 #include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/core/stack.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <ATen/core/stack.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
-#include <torch/csrc/autograd/variable.h>
-#include <torch/csrc/dynamo/compiled_autograd.h>
-#include <torch/library.h>
 
 #include <torchleaf/errors.h>
 
 #include "../../capture.h"
 #include "../../profiler_range.h"
 #include "../../state.h"
+#include "../../torch_private.h"
+#include "../kernels.h"
 #include "../leaf_ops.h"
 
 namespace torchleaf::ops {
@@ -39,7 +36,8 @@ namespace {
 // A tensor that a torch.func transform wraps (grad or vmap).
 bool is_functorch_wrapped(const at::Tensor& t) {
   constexpr auto keys = c10::DispatchKeySet(
-      {c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::FuncTorchBatched});
+      {c10::DispatchKey::FuncTorchGradWrapper,
+       c10::DispatchKey::FuncTorchBatched});
   return t.defined() && t.key_set().has_any(keys);
 }
 
@@ -72,10 +70,11 @@ struct LeafRefusedBackward final : public Node {
   }
 
   // Compiled autograd: raises the same error while tracing the backward.
-  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {}
+  void compiled_args(torch_private::CompiledNodeArgs& /*args*/) const override {
+  }
   variable_list apply_with_saved(
       const variable_list& inputs,
-      torch::dynamo::autograd::SwapSavedVariables& /*saved*/) override {
+      torch_private::SwapSavedVariables& /*saved*/) override {
     return apply(variable_list(inputs));
   }
 
@@ -93,14 +92,16 @@ torch::autograd::Edge refuse_backward_through(
     const variable_list& inputs,
     TensorList& outputs,
     const torch::autograd::Edge& extra = {}) {
-  auto node = c10::make_intrusive<LeafRefusedBackward>(std::move(entry), std::move(message));
-  auto edges = torch::autograd::collect_next_edges(inputs);
+  auto node = c10::make_intrusive<LeafRefusedBackward>(
+      std::move(entry), std::move(message));
+  auto edges = torch_private::collect_next_edges(inputs);
   if (extra.is_valid()) {
     edges.push_back(extra);
   }
   node->set_next_edges(std::move(edges));
   for (auto& t : outputs) {
-    if (!t.defined() || !torch::autograd::isDifferentiableType(t.scalar_type())) {
+    if (!t.defined() ||
+        !torch::autograd::isDifferentiableType(t.scalar_type())) {
       continue;
     }
     for (const auto& in : inputs) {
@@ -109,7 +110,7 @@ torch::autograd::Edge refuse_backward_through(
         t = t.clone();
       }
     }
-    torch::autograd::set_history(t, node);
+    torch_private::set_history(t, node);
   }
   return torch::autograd::Edge(std::move(node), 0);
 }
@@ -117,7 +118,7 @@ torch::autograd::Edge refuse_backward_through(
 // Whether a torch.func transform is running (its dynamic layer keys are
 // included while any of its levels is active, also below the last one).
 bool functorch_active() {
-  return c10::impl::tls_local_dispatch_key_set().included_.has(
+  return torch_private::tls_local_dispatch_key_set().included_.has(
       c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
 }
 
@@ -146,8 +147,8 @@ struct LeafBackward final : public Node {
     c10::List<std::optional<at::Tensor>> g;
     g.reserve(grads.size());
     for (auto& t : grads) {
-      g.push_back(t.defined() ? std::optional<at::Tensor>(std::move(t))
-                              : std::nullopt);
+      g.push_back(
+          t.defined() ? std::optional<at::Tensor>(std::move(t)) : std::nullopt);
     }
     TensorList input_grads;
     if (is_functorch_wrapped(state_)) {
@@ -184,7 +185,7 @@ struct LeafBackward final : public Node {
 
   // Compiled autograd traces apply(): the handle becomes an input of the
   // compiled backward and the call one torchleaf::backward node in it.
-  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+  void compiled_args(torch_private::CompiledNodeArgs& args) const override {
     check_state_alive();
     args.collect(entry_->id);
     args.collect(state_);
@@ -193,7 +194,7 @@ struct LeafBackward final : public Node {
   }
   variable_list apply_with_saved(
       const variable_list& inputs,
-      torch::dynamo::autograd::SwapSavedVariables& saved) override {
+      torch_private::SwapSavedVariables& saved) override {
     saved.before(state_);
     saved.before(input_meta_);
     auto out = apply(variable_list(inputs));
@@ -218,6 +219,8 @@ struct LeafBackward final : public Node {
   std::vector<c10::SymInt> input_meta_;
 };
 
+} // namespace
+
 TensorList call_mutating_autograd_kernel(
     int64_t leaf,
     int64_t plan,
@@ -231,7 +234,10 @@ TensorList call_mutating_autograd_kernel(
   return ops::call(leaf, plan, inputs, mutated);
 }
 
-TensorList call_autograd_kernel(int64_t leaf, int64_t plan, at::TensorList inputs) {
+TensorList call_autograd_kernel(
+    int64_t leaf,
+    int64_t plan,
+    at::TensorList inputs) {
   return call_mutating_autograd_kernel(leaf, plan, inputs, {});
 }
 
@@ -341,19 +347,28 @@ std::tuple<TensorList, at::Tensor> forward_unboxed_autograd_kernel(
       tracked = tracked || (t.defined() && t.requires_grad());
     }
   }
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("torchleaf::forward", "");
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("torchleaf::forward", "");
   static const auto typed = op.typed<std::tuple<TensorList, at::Tensor>(
       int64_t, int64_t, at::TensorList, at::IntArrayRef)>();
   if (tracked) {
     torch::jit::Stack stack{
-        leaf, plan, c10::List<at::Tensor>(inputs.vec()), c10::List<int64_t>(differentiable.vec())};
+        leaf,
+        plan,
+        c10::List<at::Tensor>(inputs.vec()),
+        c10::List<int64_t>(differentiable.vec())};
     forward_autograd_kernel(op, keys, &stack);
-    return {std::move(stack[0]).toTensorVector(), std::move(stack[1]).toTensor()};
+    return {
+        std::move(stack[0]).toTensorVector(), std::move(stack[1]).toTensor()};
   }
   check_no_forward_tangents(leaf, inputs, {});
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return typed.redispatch(
-      keys & c10::after_ADInplaceOrView_keyset, leaf, plan, inputs, differentiable);
+      keys & c10::after_ADInplaceOrView_keyset,
+      leaf,
+      plan,
+      inputs,
+      differentiable);
 }
 
 // Autograd kernel of backward, reached the same way. A gradient that
@@ -370,7 +385,8 @@ TensorList backward_autograd_kernel(
   // lookup on each step, and a backward (or, traced lazily as Inductor does,
   // its fake) works after the leaf was deleted, as the replay needs only the
   // state.
-  const bool real_handle = !is_functorch_wrapped(state) && is_concrete_handle(state);
+  const bool real_handle =
+      !is_functorch_wrapped(state) && is_concrete_handle(state);
   auto captured = real_handle ? lookup_state(state, leaf) : nullptr;
   auto entry = captured ? captured->entry : find_leaf(leaf);
   TensorList defined;
@@ -381,7 +397,8 @@ TensorList backward_autograd_kernel(
     }
   }
   // A jvp of a vjp (jacfwd of jacrev): the tangents are on the gradients.
-  const std::string unregistered = entry ? std::string() : c10::str("<id ", leaf, ">");
+  const std::string unregistered =
+      entry ? std::string() : c10::str("<id ", leaf, ">");
   check_no_forward_tangents(entry ? entry->name : unregistered, defined, {});
   TensorList out;
   {
@@ -404,15 +421,15 @@ TensorList backward_autograd_kernel(
   if (!tracked.empty() || outer.is_valid()) {
     refuse_backward_through(
         entry ? std::move(entry) : get_leaf(leaf),
-        c10::str("computed a gradient that is being differentiated again", kTwiceDifferentiated),
+        c10::str(
+            "computed a gradient that is being differentiated again",
+            kTwiceDifferentiated),
         tracked,
         out,
         outer);
   }
   return out;
 }
-
-} // namespace
 
 bool is_plain_eager(at::TensorList inputs, at::TensorList mutated) {
   constexpr auto tracing_keys = c10::DispatchKeySet({
@@ -425,7 +442,8 @@ bool is_plain_eager(at::TensorList inputs, at::TensorList mutated) {
       c10::DispatchKey::FuncTorchBatched,
       c10::DispatchKey::PreDispatch,
   });
-  if (c10::impl::tls_local_dispatch_key_set().included_.has_any(tracing_keys)) {
+  if (torch_private::tls_local_dispatch_key_set().included_.has_any(
+          tracing_keys)) {
     return false;
   }
   // Meta tensors must reach the Meta kernel (the fake), so they take the
@@ -463,15 +481,12 @@ TensorList call_eager_differentiable(
   captured.reserve(differentiable.size());
   for (size_t pos = 0; pos < flat.tensors.size(); ++pos) {
     if (mask[pos]) {
-      caller_edges.push_back(torch::autograd::impl::gradient_edge(flat.tensors[pos]));
+      caller_edges.push_back(torch_private::gradient_edge(flat.tensors[pos]));
       captured.push_back(flat.tensors[pos]);
     }
   }
-  std::shared_ptr<CapturedState> state;
-  TensorList outputs =
-      run_real(entry, flat.tensors, flat.is_mutable, site, mask, &state, &caller_edges);
-  attach_to_caller(entry, *state, caller_edges, captured, outputs);
-  return outputs;
+  return run_real_attached(
+      entry, flat.tensors, flat.is_mutable, site, mask, caller_edges, captured);
 }
 
 } // namespace
@@ -501,7 +516,8 @@ std::optional<TensorList> call_autograd(
           entry.name,
           i < declared.size()
               ? c10::str("declares input ", declared[i], " mutable")
-              : c10::str("received tensor ", i, " of its mutates_args arguments"),
+              : c10::str(
+                    "received tensor ", i, " of its mutates_args arguments"),
           " but it requires grad; in-place mutation of differentiable inputs "
           "is not supported. Pass a tensor that does not require grad (e.g. a "
           "buffer) or return the new value instead.");
@@ -511,7 +527,8 @@ std::optional<TensorList> call_autograd(
     return std::nullopt;
   }
   if (is_plain_eager(inputs, mutated)) {
-    return call_eager_differentiable(entry, inputs, mutated, differentiable, site);
+    return call_eager_differentiable(
+        entry, inputs, mutated, differentiable, site);
   }
 
   std::vector<c10::SymInt> input_meta;
@@ -522,15 +539,19 @@ std::optional<TensorList> call_autograd(
   at::Tensor state;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    std::tie(outputs, state) = ops::forward(entry.id, site.plan, inputs, mutated, differentiable);
+    std::tie(outputs, state) =
+        ops::forward(entry.id, site.plan, inputs, mutated, differentiable);
   }
   held_by_its_handle_alone(state);
   auto node = c10::make_intrusive<LeafBackward>(
-      entry.shared_from_this(), std::move(state), std::move(differentiable), std::move(input_meta));
-  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+      entry.shared_from_this(),
+      std::move(state),
+      std::move(differentiable),
+      std::move(input_meta));
+  node->set_next_edges(torch_private::collect_next_edges(inputs));
   for (auto& out : outputs) {
     if (torch::autograd::isDifferentiableType(out.scalar_type())) {
-      torch::autograd::set_history(out, node);
+      torch_private::set_history(out, node);
     } else {
       node->add_input_metadata(Node::undefined_input());
     }
@@ -550,16 +571,6 @@ TensorList call_eager(
   }
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return call_real(entry, inputs, mutated, site);
-}
-
-TORCH_LIBRARY_IMPL(torchleaf, Autograd, m) {
-  m.impl("call", &call_autograd_kernel);
-  m.impl("call_mutating", &call_mutating_autograd_kernel);
-  m.impl("forward", &forward_unboxed_autograd_kernel);
-  for (const char* name : {"forward_mutating", "forward_functional"}) {
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&forward_autograd_kernel>());
-  }
-  m.impl("backward", &backward_autograd_kernel);
 }
 
 } // namespace torchleaf::ops

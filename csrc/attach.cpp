@@ -1,0 +1,69 @@
+// Eager mode: a captured call's graph connected straight into its caller's.
+
+#include "capture.h"
+#include "detach.h"
+#include "nodes.h"
+#include "torch_private.h"
+
+namespace torchleaf {
+
+using torch::autograd::edge_list;
+using torch::autograd::Node;
+
+void attach_to_caller(
+    const LeafEntry& entry,
+    const CapturedState& state,
+    const edge_list& caller_edges,
+    const TensorList& captured_inputs,
+    TensorList& outputs) {
+  TORCH_INTERNAL_ASSERT(caller_edges.size() == state.input_edges.size());
+  // The captured graph now leads straight into the caller's graph; the sinks
+  // stay only where saved inputs refer to them, and where the function put
+  // a hook on its input (x.register_hook): gradients then pass through the
+  // active sink, whose hooks the engine runs.
+  for (const auto& [edge, input] : state.sink_uses) {
+    if (!has_hooks(*state.input_edges[input].function)) {
+      *edge = caller_edges[input];
+    }
+  }
+  for (const auto& sink : state.input_edges) {
+    static_cast<InputSink*>(sink.function.get())->activate();
+  }
+  bool all_reached = true;
+  for (bool reached : state.input_reached) {
+    all_reached = all_reached && reached;
+  }
+  if (all_reached) {
+    // The common case: the outputs keep their captured graph edges, which
+    // costs nothing in backward.
+    return;
+  }
+  edge_list router_edges(state.output_edges.begin(), state.output_edges.end());
+  std::vector<InputMeta> zero_meta;
+  for (size_t i = 0; i < caller_edges.size(); ++i) {
+    if (!state.input_reached[i]) {
+      router_edges.push_back(caller_edges[i]);
+      const auto& t = captured_inputs[i];
+      zero_meta.push_back(InputMeta{t.sym_sizes().vec(), t.options()});
+    }
+  }
+  auto router = c10::make_intrusive<LeafRouter>(
+      entry.shared_from_this(), std::move(zero_meta));
+  router->set_next_edges(std::move(router_edges));
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    if (outputs[k].requires_grad()) {
+      outputs[k] = detached(outputs[k]);
+    }
+    // An output the captured graph does not connect to any input (a
+    // constant, or one computed from cut-off tensors alone) does not
+    // require grad, as with the plain function.
+    if (state.output_edges[k].is_valid() &&
+        torch::autograd::isDifferentiableType(outputs[k].scalar_type())) {
+      torch_private::set_history(outputs[k], router);
+    } else {
+      router->add_input_metadata(Node::undefined_input());
+    }
+  }
+}
+
+} // namespace torchleaf

@@ -1,0 +1,120 @@
+#include "nodes.h"
+
+#include <ATen/ATen.h>
+
+#include <torchleaf/errors.h>
+
+#include "detach.h"
+#include "torch_private.h"
+
+namespace torchleaf {
+
+using torch::autograd::Edge;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+InputSink::InputSink(LeafEntryPtr entry)
+    : Node(/*sequence_nr=*/UINT64_MAX), entry_(std::move(entry)) {}
+
+variable_list InputSink::apply(variable_list&& grads) {
+  if (active_) {
+    return std::move(grads);
+  }
+  // Only reachable when user code inside the leaf runs a backward that
+  // accumulates into the leaf's inputs.
+  detail::throw_leaf_error(
+      entry_->name,
+      "ran .backward() through its own inputs inside its real function; "
+      "gradients cannot be accumulated into a leaf's inputs from inside "
+      "the leaf. Use torch.autograd.grad(outputs, inputs) there, or move "
+      "the backward call out of the leaf.");
+}
+
+std::string InputSink::name() const {
+  return "torchleaf::InputSink";
+}
+
+void InputSink::compiled_args(torch_private::CompiledNodeArgs& args) const {
+  args.collect(active_);
+}
+
+variable_list InputSink::apply_with_saved(
+    const variable_list& inputs,
+    torch_private::SwapSavedVariables& /*saved*/) {
+  return apply(variable_list(inputs));
+}
+
+LeafRouter::LeafRouter(LeafEntryPtr entry, std::vector<InputMeta> zero_meta)
+    : entry_(std::move(entry)), zero_meta_(std::move(zero_meta)) {}
+
+variable_list LeafRouter::apply(variable_list&& grads) {
+  variable_list out = std::move(grads);
+  for (const auto& meta : zero_meta_) {
+    out.push_back(at::zeros_symint(meta.sizes, meta.options));
+  }
+  return out;
+}
+
+std::string LeafRouter::name() const {
+  return entry_->name + "Backward";
+}
+
+void LeafRouter::compiled_args(torch_private::CompiledNodeArgs& args) const {
+  for (const auto& meta : zero_meta_) {
+    args.collect(meta.sizes);
+    args.collect(meta.options);
+  }
+}
+
+variable_list LeafRouter::apply_with_saved(
+    const variable_list& inputs,
+    torch_private::SwapSavedVariables& saved) {
+  for (auto& meta : zero_meta_) {
+    saved.before(meta.sizes);
+  }
+  auto out = apply(variable_list(inputs));
+  for (auto& meta : zero_meta_) {
+    saved.after(meta.sizes);
+  }
+  return out;
+}
+
+at::Tensor sink_alias(
+    const at::Tensor& t,
+    CapturedState& state,
+    const Edge* caller_edge) {
+  at::Tensor alias = detached(t);
+  auto sink = c10::make_intrusive<InputSink>(state.entry);
+  if (caller_edge != nullptr) {
+    sink->set_next_edges({*caller_edge});
+  }
+  sink->add_input_metadata(alias);
+  torch_private::set_gradient_edge(alias, Edge(sink, 0));
+  state.input_edges.emplace_back(std::move(sink), 0);
+  return alias;
+}
+
+int64_t sink_index(const CapturedState& state, const Node* node) {
+  for (size_t i = 0; i < state.input_edges.size(); ++i) {
+    if (state.input_edges[i].function.get() == node) {
+      return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
+}
+
+// PyTorch makes AccumulateGrad nodes (as this file makes its sinks) with
+// sequence number UINT64_MAX, which rules out the body's nodes before a
+// dynamic_cast (~370 instructions each). test_autograd.cpp
+// (LeafTensorsMadeInsideAreOutputsNotEscapes) pins it.
+bool is_accumulate_grad(const Node* fn) {
+  return fn != nullptr && fn->sequence_nr() == UINT64_MAX &&
+      dynamic_cast<const torch_private::AccumulateGrad*>(fn) != nullptr;
+}
+
+bool has_hooks(Node& fn) {
+  return !fn.pre_hooks().empty() || !fn.tensor_pre_hooks().empty() ||
+      !fn.post_hooks().empty() || !fn.retains_grad_hooks().empty();
+}
+
+} // namespace torchleaf

@@ -1,0 +1,90 @@
+#pragma once
+
+// The autograd nodes that a captured call puts into graphs -- a sink behind
+// each captured input, and in eager mode a router behind the outputs -- and
+// what the rest of the capture code asks of nodes.
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <string>
+#include <vector>
+
+#include "registry.h"
+#include "state.h"
+#include "torch_private.h"
+
+namespace torchleaf {
+
+// Stands in for the caller's graph behind each differentiable input of a
+// captured call: gradients stop here and are collected by the engine. It is
+// never executed. In eager mode it is created with an edge to the caller's
+// graph (so that topological numbers are right from the start), and once the
+// call succeeded the captured graph's edges to it are rewired to that edge
+// and the sink is activated: it then passes gradients through, for graphs
+// that still reach it through saved inputs (double backward).
+struct InputSink final : public torch::autograd::Node {
+  explicit InputSink(LeafEntryPtr entry);
+
+  void activate() {
+    active_ = true;
+  }
+
+  torch::autograd::variable_list apply(
+      torch::autograd::variable_list&& grads) override;
+  std::string name() const override;
+
+  // Compiled autograd traces apply() (pure pass-through or the error); its
+  // cache key is whether the sink is active.
+  void compiled_args(torch_private::CompiledNodeArgs& args) const override;
+  torch::autograd::variable_list apply_with_saved(
+      const torch::autograd::variable_list& inputs,
+      torch_private::SwapSavedVariables& saved) override;
+
+ private:
+  LeafEntryPtr entry_;
+  bool active_ = false;
+};
+
+// Eager mode: the node behind a captured call's outputs. Gradients pass
+// through to the captured graph; unreached inputs get zeros.
+struct LeafRouter final : public torch::autograd::Node {
+  LeafRouter(LeafEntryPtr entry, std::vector<InputMeta> zero_meta);
+
+  torch::autograd::variable_list apply(
+      torch::autograd::variable_list&& grads) override;
+  std::string name() const override;
+
+  // Compiled autograd traces apply(): the zeros become graph ops, their
+  // (possibly symbolic) sizes the compiled graph's.
+  void compiled_args(torch_private::CompiledNodeArgs& args) const override;
+  torch::autograd::variable_list apply_with_saved(
+      const torch::autograd::variable_list& inputs,
+      torch_private::SwapSavedVariables& saved) override;
+
+ private:
+  LeafEntryPtr entry_;
+  std::vector<InputMeta> zero_meta_;
+};
+
+// An alias of `t` whose gradient flows into a new sink, recorded in `state`.
+// `caller_edge`, if any, is where the sink forwards once activated.
+at::Tensor sink_alias(
+    const at::Tensor& t,
+    CapturedState& state,
+    const torch::autograd::Edge* caller_edge = nullptr);
+
+// Index of `node` among the state's input sinks, or -1. Leaf calls have few
+// inputs: a linear scan beats hashing.
+int64_t sink_index(
+    const CapturedState& state,
+    const torch::autograd::Node* node);
+
+// Whether `fn` is a leaf tensor's AccumulateGrad.
+bool is_accumulate_grad(const torch::autograd::Node* fn);
+
+// Whether autograd hooks sit on `fn`: the function registered them on a
+// tensor (x.register_hook, retain_grad) or on its node.
+bool has_hooks(torch::autograd::Node& fn);
+
+} // namespace torchleaf
