@@ -1,5 +1,7 @@
 #include "output_check.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 
 #include <sstream>
@@ -230,9 +232,6 @@ void FakeOutputRecords::record(
   }
   std::lock_guard<std::mutex> lock(mutex_);
   auto& records = plans_[plan];
-  if (records.disabled) {
-    return;
-  }
   for (auto& existing : records.records) {
     if (same_inputs(existing.inputs, rec.inputs)) {
       if (existing.outputs.size() != rec.outputs.size()) {
@@ -250,9 +249,8 @@ void FakeOutputRecords::record(
     }
   }
   if (records.records.size() >= kMaxRecordsPerPlan) {
-    records.records.clear();
-    records.disabled = true;
-    return;
+    // The least recently matched one (see kMaxRecordsPerPlan).
+    records.records.erase(records.records.begin());
   }
   records.records.push_back(std::move(rec));
   any_.store(true, std::memory_order_release);
@@ -280,7 +278,11 @@ void FakeOutputRecords::check(
     bool exact_seen = false;
     bool loose_accepts = false;
     std::string loose_failure;
-    for (const auto& rec : it->second.records) {
+    // Newest or most recently matched first: a hit is found at once, and
+    // is moved to the back (kMaxRecordsPerPlan drops from the front).
+    auto& recs = it->second.records;
+    for (size_t r = recs.size(); r-- > 0;) {
+      const auto& rec = recs[r];
       if (rec.inputs.size() != inputs.size()) {
         continue;
       }
@@ -310,6 +312,7 @@ void FakeOutputRecords::check(
       }
       if (strides_match) {
         if (why.empty()) {
+          std::rotate(recs.begin() + r, recs.begin() + r + 1, recs.end());
           return; // a trace of this very layout agrees with this call
         }
         if (!exact_seen) {

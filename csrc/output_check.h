@@ -67,9 +67,14 @@ class FakeOutputRecords {
   size_t size() const;
 
   static constexpr int64_t kUnknown = INT64_MIN;
-  // Records kept per plan; one more input signature disables the check for
-  // that plan (dropping one could leave a less specific record to decide).
-  static constexpr size_t kMaxRecordsPerPlan = 16;
+  // Records kept per plan. One more input signature drops the least
+  // recently matched record (check() keeps them in that order), so that
+  // the signatures in use stay checked: a cap of 16 that disabled the plan's
+  // check was silent garbage under aot_eager from the 17th static signature
+  // on (issue 36). A signature whose record was dropped is checked by the
+  // records that still match it (less specific ones: sizes, not strides)
+  // or not at all.
+  static constexpr size_t kMaxRecordsPerPlan = 256;
 
   struct Meta {
     bool known = false; // false: nothing is checked (nested tensors, ...)
@@ -90,12 +95,12 @@ class FakeOutputRecords {
  private:
   struct PlanRecords {
     std::vector<Record> records;
-    bool disabled = false;
   };
 
   mutable std::mutex mutex_;
   std::atomic<bool> any_{false};
-  std::unordered_map<int64_t, PlanRecords> plans_;
+  mutable std::unordered_map<int64_t, PlanRecords>
+      plans_; // (check() reorders records)
 };
 
 } // namespace torchleaf

@@ -19,6 +19,7 @@
 // PRIVATE-API: torch::autograd::Engine::execute — replaying a captured graph from its output edges to its input sinks
 // PRIVATE-API: torch::autograd::get_current_graph_task_id — whether a backward is running (keep_graph of a replay, state release)
 // PRIVATE-API: torch::autograd::get_current_graph_task_keep_graph — whether the running backward retains its graph
+// PRIVATE-API: c10::AutogradState — forward-grad mode, which an autograd.Function's forward turns off: a compiled graph's create_graph backward
 // PRIVATE-API: torch::autograd::get_current_graph_task_exec_info — inline replay: an enclosing backward restricted to some inputs goes to the engine
 // PRIVATE-API: torch::autograd::InputBuffer — inline replay: summing two gradients of one slot as the engine does
 // PRIVATE-API: torch::autograd::validate_outputs — inline replay: the engine's checks and casts of gradients
@@ -49,6 +50,7 @@
 #include <ATen/ThreadLocalPythonObjects.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/record_function.h>
+#include <c10/core/AutogradState.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
@@ -165,6 +167,13 @@ inline int64_t current_graph_task_id() {
 
 inline bool current_graph_task_keep_graph() {
   return torch::autograd::get_current_graph_task_keep_graph();
+}
+
+// Whether forward-grad mode is on: the engine leaves it on, an
+// autograd.Function's forward (AOTAutograd's CompiledFunctionBackward, which
+// runs a compiled backward under create_graph=True) turns it off.
+inline bool forward_grad_mode_enabled() {
+  return c10::AutogradState::get_tls_state().get_fw_grad_mode();
 }
 
 // Whether the running backward (if any) computes only some inputs'

@@ -53,6 +53,33 @@ TensorList clone_all(at::TensorList tensors) {
   return out;
 }
 
+// A compiled call's body changes clones of its declared-mutable arguments,
+// which the graph writes back only when the call returns: a body that raised
+// after changing one lost the change, where an eager call (and plain code)
+// keeps it (issue 36). So the clones are written back before the error
+// propagates. (A failing write-back keeps the body's error.)
+template <typename Run>
+auto keeping_mutations_if_raised(
+    at::TensorList mutated,
+    const TensorList& updated,
+    Run&& run) {
+  try {
+    return run();
+  } catch (...) {
+    try {
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < mutated.size() && i < updated.size(); ++i) {
+        if (mutated[i].defined() && updated[i].defined() &&
+            !mutated[i].is_meta() && !mutated[i].is_same(updated[i])) {
+          mutated[i].copy_(updated[i]);
+        }
+      }
+    } catch (...) {
+    }
+    throw;
+  }
+}
+
 } // namespace
 
 std::tuple<TensorList, TensorList> call_functional_kernel(
@@ -61,7 +88,9 @@ std::tuple<TensorList, TensorList> call_functional_kernel(
     at::TensorList inputs,
     at::TensorList mutated) {
   auto updated = clone_all(mutated);
-  auto out = call_mutating_kernel(leaf, plan, inputs, updated);
+  auto out = keeping_mutations_if_raised(mutated, updated, [&] {
+    return call_mutating_kernel(leaf, plan, inputs, updated);
+  });
   return {std::move(out), std::move(updated)};
 }
 
@@ -80,8 +109,9 @@ std::tuple<TensorList, at::Tensor, TensorList> forward_functional_kernel(
     at::TensorList mutated,
     at::IntArrayRef differentiable) {
   auto updated = clone_all(mutated);
-  auto [out, state] =
-      forward_mutating_kernel(leaf, plan, inputs, updated, differentiable);
+  auto [out, state] = keeping_mutations_if_raised(mutated, updated, [&] {
+    return forward_mutating_kernel(leaf, plan, inputs, updated, differentiable);
+  });
   return {std::move(out), std::move(state), std::move(updated)};
 }
 

@@ -8,6 +8,7 @@
 
 #include "../capture.h"
 #include "../state.h"
+#include "../torch_private.h"
 #include "kernels.h"
 #include "leaf_ops.h"
 
@@ -161,6 +162,25 @@ TensorList run_backward(
     const CapturedState& captured,
     const at::Tensor& state,
     const std::vector<std::optional<at::Tensor>>& grads) {
+  // A compiled graph's backward with create_graph=True: AOTAutograd runs it
+  // inside the forward of an autograd.Function (CompiledFunctionBackward)
+  // whose inputs are the graph's saved tensors and whose own backward
+  // raises. A leaf's graph saves its state handle, not its inputs, so a
+  // second derivative that autograd.grad asks for reaches no input: None or
+  // zero, silently (issue 36). Told apart from an ordinary backward by
+  // forward-grad mode, which a Function's forward turns off and the engine
+  // leaves on (create_graph also keeps the graph).
+  TORCHLEAF_CHECK(
+      !(torch_private::current_graph_task_id() != -1 &&
+        torch_private::current_graph_task_keep_graph() &&
+        !torch_private::forward_grad_mode_enabled()),
+      captured.entry->name,
+      "was called in a compiled graph whose backward runs with create_graph=True: "
+      "torch.compile (AOTAutograd) cannot differentiate a compiled graph's gradient "
+      "again, and the second-order term through the leaf would be missing (None or "
+      "zero) without an error. Take higher derivatives of eager calls of the leaf "
+      "(call it outside torch.compile, or wrap the call in torch.compiler.disable), "
+      "or use create_graph=False.");
   auto grads_in = replay(captured, grads);
   release_after_backward(state);
   // The fake kernel knows only the inputs' sizes and promises contiguous

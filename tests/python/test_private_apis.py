@@ -361,6 +361,11 @@ def test_design_lists_exactly_the_private_api_layer():
     section = design.split("### Python (`python/torchleaf/_torch_private.py`)")[1].split("###")[0]
     listed = set(re.findall(r"^\| `([A-Za-z_]+)` \|", section, re.M))
     assert listed == set(_torch_private.__all__)
+    # C++: the header's machine-readable list, row for row.
+    header = open(os.path.join(root, "csrc", "torch_private.h")).read()
+    in_header = re.findall(r"^// PRIVATE-API: (.+?) — ", header, re.M)
+    cpp_section = design.split("### C++ (`csrc/torch_private.h`)")[1].split("## ")[0]
+    assert re.findall(r"^\| `(.+?)` \|", cpp_section, re.M) == in_header
     package = os.path.dirname(_torch_private.__file__)
     for name in os.listdir(package):
         if name.endswith(".py") and name != "_torch_private.py":
