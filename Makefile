@@ -5,19 +5,26 @@ PYTHON ?= python3
 BUILD_DIR := build/py
 PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
 DEB_PACKAGES := libgtest-dev libbenchmark-dev
-PY_DEPS := torch==2.13.0 "pybind11>=2.12" "scikit-build-core>=0.10" ninja cmake \
-           "pytest>=8" "pytest-randomly>=3.15" "hypothesis>=6" numpy matplotlib
+# The test tools are bounded above by the releases the suite was last run with
+# (pytest 9.2.0, pytest-randomly 5.1.0, hypothesis 6.170.27), so that a fresh
+# machine gets tools the suite is known to pass with; keep pyproject.toml's
+# `test` extra the same.
+BUILD_DEPS := "pybind11>=2.12" "scikit-build-core>=0.10" ninja cmake
+TEST_DEPS := "pytest>=8,<9.3" "pytest-randomly>=3.15,<5.2" "hypothesis>=6,<6.171" numpy
+PY_DEPS := torch==2.13.0 $(BUILD_DEPS) $(TEST_DEPS) matplotlib
 
 LINT_DEPS := "ruff==0.17.6" "mypy==2.4.1"
 
-.PHONY: all deps build test test-cpp test-python test-wheel demo bench bench-quick sanitize clean \
-        check check-cpp check-python lint lint-deps
+.PHONY: all deps deps-system build test test-cpp test-python test-wheel test-matrix test-matrix-quick \
+        demo bench bench-quick sanitize clean check check-cpp check-python lint lint-deps
 
 all: build
 
-deps:
+deps-system:
 	@dpkg -s $(DEB_PACKAGES) >/dev/null 2>&1 || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEB_PACKAGES) >/dev/null)
+
+deps: deps-system
 	@$(PYTHON) -c "import torch, pybind11, scikit_build_core, pytest, pytest_randomly, hypothesis, numpy, matplotlib; \
 	  assert torch.__version__.startswith('2.13.0')" 2>/dev/null || $(PIP) $(PY_DEPS)
 
@@ -28,8 +35,9 @@ build: deps
 
 test: build test-cpp test-python
 
+CTEST_ARGS ?=
 test-cpp:
-	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 600
+	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 600 $(CTEST_ARGS)
 
 # Only the wheel test (also part of test-cpp, as ctest `wheel`): builds the
 # wheel in build/wheel, installs it into a fresh venv and uses it there.
@@ -40,11 +48,53 @@ test-wheel: deps
 # first, also under -q (which hides pytest's header); rerun one order with
 # `make test-python SEED=N`.
 SEED ?=
+TESTS ?= tests/python benchmarks/test_quick.py
+PYTEST_ARGS ?=
 test-python:
 	@seed=$(SEED); seed=$${seed:-$$($(PYTHON) -c 'import random; print(random.randrange(2**32))')}; \
 	echo "Using --randomly-seed=$$seed"; \
-	TORCHLEAF_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m pytest tests/python benchmarks/test_quick.py -q \
-	  -p randomly --randomly-seed=$$seed
+	TORCHLEAF_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m pytest $(TESTS) -q \
+	  -p randomly --randomly-seed=$$seed $(PYTEST_ARGS)
+
+# ---------------------------------------------------------------- version matrix
+# `make test-matrix TORCH=2.15.0`: torchleaf built against another torch
+# release and tested there, apart from the default build: a venv of its own,
+# $(MATRIX_VENV) (made once and reused; MATRIX_VENV=/elsewhere to keep it out
+# of the tree), an editable install built in build/py-$(TORCH), then ctest
+# (less the wheel test, which installs its own torch) and the Python suite
+# (TESTS=... for part of it). A release on this machine's disk installs from
+# there; pip's constraint file here caps torch at those, so another release
+# comes from the package index with the cap lifted (PIP_CONSTRAINT=/dev/null;
+# a CUDA wheel is a 2.6 GB download, a 5.5 GB venv).
+# `make test-matrix-quick TORCH=...`: the same with MATRIX_QUICK_TESTS, the
+# Python tests CI runs on the newest release.
+TORCH ?=
+MATRIX_VENV ?= build/venv-$(TORCH)
+MATRIX_PYTHON = $(abspath $(MATRIX_VENV))/bin/python
+MATRIX_PIP = $(MATRIX_PYTHON) -m pip install --disable-pip-version-check -q
+MATRIX_BUILD_DIR = build/py-$(TORCH)
+MATRIX_QUICK_TESTS := tests/python/test_torch_version.py tests/python/test_stubs.py \
+  tests/python/test_private_apis.py tests/python/test_operator_entries.py tests/python/test_compile.py \
+  tests/python/test_values.py tests/python/test_leaf.py tests/python/test_autograd.py \
+  tests/python/test_errors.py tests/python/test_replay.py tests/python/test_seam.py
+
+test-matrix: deps-system
+	@test -n "$(TORCH)" || { echo "usage: make test-matrix TORCH=<release, e.g. 2.15.0> [TESTS=...] [MATRIX_VENV=...]"; exit 2; }
+	@test -x $(MATRIX_PYTHON) || $(PYTHON) -m venv $(MATRIX_VENV)
+	@$(MATRIX_PYTHON) -c "import torch; assert torch.__version__.split('+')[0] == '$(TORCH)'" 2>/dev/null || \
+	  $(MATRIX_PIP) "torch==$(TORCH)" 2>/dev/null || PIP_CONSTRAINT=/dev/null $(MATRIX_PIP) "torch==$(TORCH)"
+	@$(MATRIX_PYTHON) -c "import pybind11, scikit_build_core, ninja, cmake, pytest, pytest_randomly, hypothesis, numpy" \
+	  2>/dev/null || $(MATRIX_PIP) $(BUILD_DEPS) $(TEST_DEPS)
+	$(MATRIX_PIP) --no-build-isolation --no-deps -e . -C build-dir=$(MATRIX_BUILD_DIR)
+	@$(MATRIX_PYTHON) -c "import torch, torchleaf; print('torch', torch.__version__, '- torchleaf built against', torchleaf._C.BUILT_TORCH_VERSION)"
+	@rc=0; \
+	$(MAKE) --no-print-directory test-cpp BUILD_DIR=$(MATRIX_BUILD_DIR) CTEST_ARGS="-LE packaging" || rc=1; \
+	$(MAKE) --no-print-directory test-python PYTHON=$(MATRIX_PYTHON) BUILD_DIR=$(MATRIX_BUILD_DIR) TESTS="$(TESTS)" \
+	  PYTEST_ARGS="$(PYTEST_ARGS)" || rc=1; \
+	exit $$rc
+
+test-matrix-quick:
+	$(MAKE) --no-print-directory test-matrix TESTS="$(MATRIX_QUICK_TESTS)"
 
 # The quick loop (a few minutes): the C++ suite without the packaging tests,
 # the Python tests not marked slow (no Inductor compile, subprocess, wheel or

@@ -9,6 +9,7 @@
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
+#include <torchleaf/config.h>
 #include <torchleaf/leaf.h>
 
 namespace {
@@ -81,6 +82,15 @@ void BM_Leaf_Fwd(benchmark::State& s) { run_forward(s, call_leaf); }
 void BM_Plain_FwdBwd(benchmark::State& s) { run_forward_backward(s, call_plain); }
 void BM_Function_FwdBwd(benchmark::State& s) { run_forward_backward(s, call_function); }
 void BM_Leaf_FwdBwd(benchmark::State& s) { run_forward_backward(s, call_leaf); }
+// The leaf with every replay through torch::autograd::Engine: what the
+// inline replay saves where it is compiled in (PyTorch 2.13, capture.h), and
+// the same as BM_Leaf_FwdBwd built against any other release.
+void BM_Leaf_FwdBwd_EngineReplay(benchmark::State& s) {
+  const bool was = torchleaf::Config::inline_replay();
+  torchleaf::Config::set_inline_replay(false);
+  run_forward_backward(s, call_leaf);
+  torchleaf::Config::set_inline_replay(was);
+}
 
 BENCHMARK(BM_Plain_Fwd);
 BENCHMARK(BM_Function_Fwd);
@@ -88,6 +98,7 @@ BENCHMARK(BM_Leaf_Fwd);
 BENCHMARK(BM_Plain_FwdBwd);
 BENCHMARK(BM_Function_FwdBwd);
 BENCHMARK(BM_Leaf_FwdBwd);
+BENCHMARK(BM_Leaf_FwdBwd_EngineReplay);
 
 } // namespace
 

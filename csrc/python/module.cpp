@@ -8,6 +8,11 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <ATen/EmptyTensor.h>
+#if __has_include(<torch/headeronly/version.h>)
+#include <torch/headeronly/version.h>
+#else
+#include <torch/version.h>
+#endif
 #include <c10/core/DeviceType.h>
 
 #include <torchleaf/torchleaf.h>
@@ -441,6 +446,9 @@ PYBIND11_MODULE(_C, m) {
       "Remove a Python leaf from the core (when its LeafFunction dies); "
       "graphs that still call it fail with a clear error.");
   m.attr("OPERATOR_SCHEMA_VERSION") = ops::kOperatorSchemaVersion;
+  // The torch release this extension was compiled against ("2.13.0"):
+  // torchleaf/__init__.py refuses to run it under another.
+  m.attr("BUILT_TORCH_VERSION") = TORCH_VERSION;
   m.def(
       "leaf_count", &leaf_count, "Number of leaves registered with the core.");
   m.def(

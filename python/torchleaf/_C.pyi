@@ -45,6 +45,10 @@ def release_python_leaf(leaf: int) -> None:
 OPERATOR_SCHEMA_VERSION: int
 """Bumped whenever an operator schema or the meaning of its arguments changes."""
 
+BUILT_TORCH_VERSION: str
+"""The torch release the extension was compiled against ("2.13.0"; no local
+part): torchleaf refuses to import under another."""
+
 def leaf_count() -> int:
     """Number of leaves registered with the core."""
 

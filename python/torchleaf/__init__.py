@@ -7,11 +7,55 @@ graph is captured per call and replayed in backward.
 """
 
 import os as _os
+import re as _re
 
 import torch as _torch
 
-from . import _C
-from ._errors import LeafFunctionError
+_REBUILD = (
+    "Rebuild torchleaf against the installed torch: in torchleaf's source tree, "
+    "`pip install --no-build-isolation .` (`-e .` for an editable install) or `make build`"
+)
+
+
+def _release(version: str) -> str:
+    """'2.14.1' of '2.14.1+cu130' (or of a pre-release '2.15.0.dev20260101+cpu')."""
+    match = _re.match(r"\d+\.\d+\.\d+", version)
+    return match.group() if match else version.split("+", 1)[0]
+
+
+def _check_torch_version(built: str, running: str) -> None:
+    """Refuse to run the C++ extension under a torch other than the one it was
+    compiled against (`built`: its TORCH_VERSION macro, e.g. "2.13.0";
+    `running`: torch.__version__).
+
+    The full release is compared, patch included: a C++ extension compiles
+    against one release's headers (inline functions, class layouts, the
+    dispatcher's entry points), which PyTorch keeps stable across no release,
+    patch releases included, and a mismatch shows up as an undefined symbol at
+    best, a crash or a wrong result at worst. The local part (+cpu, +cu130) is
+    left out: the CPU and CUDA builds of one release compile the same C++ API
+    (torchleaf calls no CUDA code), and the macro has none."""
+    if _release(running) != built:
+        raise ImportError(
+            f"torchleaf's C++ extension was built against torch {built}, but torch "
+            f"{running} is installed: a C++ extension runs only with the torch "
+            f"release it was compiled against. {_REBUILD}, or install torch=={built}."
+        )
+
+
+try:
+    from . import _C
+except ImportError as error:
+    # Built against another torch, the extension usually fails to load with
+    # an undefined symbol before the check below can run.
+    raise ImportError(
+        f"torchleaf's C++ extension failed to load under torch {_torch.__version__} "
+        f"({error}). If torch changed since torchleaf was built: {_REBUILD}."
+    ) from error
+
+_check_torch_version(_C.BUILT_TORCH_VERSION, _torch.__version__)
+
+from ._errors import LeafFunctionError  # noqa: E402
 
 _C._set_error_type(LeafFunctionError)
 

@@ -24,7 +24,10 @@ def inside_venv(path):
 check(sys.prefix != sys.base_prefix, f"{sys.executable} is not a venv's Python")
 for module in (torch, torchleaf, torchleaf._C):
     check(inside_venv(module.__file__), f"{module.__name__} imported from {module.__file__}, not from {venv}")
-check(torch.__version__.split("+")[0] == "2.13.0", f"torch {torch.__version__}")
+# The torch of the building Python (wheel_test.sh installs that release).
+expected = os.environ["TORCHLEAF_EXPECTED_TORCH"]
+check(torch.__version__.split("+")[0] == expected, f"torch {torch.__version__}, expected {expected}")
+check(torchleaf._C.BUILT_TORCH_VERSION == expected, f"built against torch {torchleaf._C.BUILT_TORCH_VERSION}")
 config = os.path.join(torchleaf.cmake_prefix_path, "torchleaf", "torchleafConfig.cmake")
 check(inside_venv(config) and os.path.isfile(config), f"no CMake package at {config}")
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The wheel a user installs: builds it from the source tree (incrementally, in
 # build/wheel, apart from the editable build), checks its contents, installs
-# it with its dependencies (torch==2.13.0 from pip) into a fresh venv, and
+# it with its dependencies (the building Python's torch release, from pip: a
+# wheel runs only with the torch it was built against) into a fresh venv, and
 # there imports it, runs a Python leaf eagerly and under torch.compile, and
 # builds and runs examples/cpp with find_package(torchleaf).
 #
@@ -42,7 +43,9 @@ step check-wheel "$python" "$here/check_wheel.py" "$wheel"
 # 2. A fresh venv (no system site-packages), the wheel and its dependencies.
 step venv "$python" -m venv "$work/venv"
 vpython="$work/venv/bin/python"
-step install "$vpython" -m pip install "$wheel"
+torch_release=$("$python" -c 'import torch; print(torch.__version__.split("+")[0])')
+step install "$vpython" -m pip install "$wheel" "torch==$torch_release"
+export TORCHLEAF_EXPECTED_TORCH=$torch_release
 
 # 3. Python, from an empty folder, isolated (-I: no script dir, no user site).
 cd "$work/run"

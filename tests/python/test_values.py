@@ -60,13 +60,19 @@ def test_ints_beyond_a_size_stay_constants(backend):
 
 
 @pytest.mark.parametrize("backend", ["eager", *COMPILED])
-def test_an_int_from_item_whose_sign_the_trace_cannot_know(backend, monkeypatch):
+def test_an_int_from_item_whose_sign_the_trace_cannot_know(backend):
     """An unbacked int (.item() with capture_scalar_outputs) failed to trace
     under fullgraph=True ("Could not guard on data-dependent expression"):
     a compiled call carried an int as a size, which needs its sign. Such an
     int is now zigzag-coded; one graph serves negative, zero and positive
     values."""
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    # config.patch, not monkeypatch: pytest 9.2's monkeypatch.undo deletes
+    # the attribute from the config module (which keeps values elsewhere).
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        _check_an_int_from_item(backend)
+
+
+def _check_an_int_from_item(backend):
     torch._dynamo.reset()
 
     def shift(x, n):
