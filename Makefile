@@ -98,9 +98,9 @@ test-matrix-quick:
 
 # The quick loop (a few minutes): the C++ suite without the packaging tests,
 # the Python tests not marked slow (no Inductor compile, subprocess, wheel or
-# distributed run; `-m slow` selects those), lint and types. `make test` stays
+# distributed run; `-m slow` selects those), lint, types and C++ format. `make test` stays
 # the full suite.
-check: build lint check-cpp check-python
+check: build lint format-check check-cpp check-python
 
 check-cpp:
 	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 600 -LE slow
@@ -166,6 +166,8 @@ FORMAT_FILES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'include/*.h' 'tests
 .PHONY: format format-check
 
 format-check:
+	@command -v $(CLANG_FORMAT) >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang-format >/dev/null)
 	$(CLANG_FORMAT) --dry-run -Werror $(FORMAT_FILES)
 
 format:

@@ -47,7 +47,7 @@ void attach_to_caller(
       zero_meta.push_back(InputMeta{t.sym_sizes().vec(), t.options()});
     }
   }
-  auto router = c10::make_intrusive<LeafRouter>(
+  auto router = torch_private::make_node<LeafRouter>(
       entry.shared_from_this(), std::move(zero_meta));
   router->set_next_edges(std::move(router_edges));
   for (size_t k = 0; k < outputs.size(); ++k) {

@@ -84,7 +84,7 @@ at::Tensor sink_alias(
     CapturedState& state,
     const Edge* caller_edge) {
   at::Tensor alias = detached(t);
-  auto sink = c10::make_intrusive<InputSink>(state.entry);
+  auto sink = torch_private::make_node<InputSink>(state.entry);
   if (caller_edge != nullptr) {
     sink->set_next_edges({*caller_edge});
   }

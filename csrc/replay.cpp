@@ -25,7 +25,7 @@ constexpr const char* kContextKey = "context";
 PythonContextSetAside::PythonContextSetAside() {
   if (torch_private::ThreadLocalPythonObjects::contains(kContextKey)) {
     saved_ = torch_private::ThreadLocalPythonObjects::get(kContextKey);
-    torch_private::ThreadLocalPythonObjects::erase(kContextKey);
+    torch_private::erase_thread_local_python_object(kContextKey);
   }
 }
 

@@ -29,6 +29,7 @@
 // PRIVATE-API: torch::autograd::impl::gradient_edge — a tensor's edge in the caller's graph and a captured output's
 // PRIVATE-API: torch::autograd::impl::set_gradient_edge — pointing an input alias at its sink
 // PRIVATE-API: torch::autograd::set_history — putting torchleaf's nodes behind outputs
+// PRIVATE-API: torch::autograd::Edge::function — how autograd holds a node (std::shared_ptr in 2.11, c10::intrusive_ptr in 2.13 and later): make_node matches it
 // PRIVATE-API: torch::autograd::collect_next_edges — the next edges of torchleaf's nodes
 // PRIVATE-API: at::sequence_number::peek — the escape walk: nodes this thread made before the call (with Node::sequence_nr, Node::thread_id)
 // PRIVATE-API: at::RecordFunction::currentThreadId — the escape walk: which nodes this thread made
@@ -72,8 +73,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace torchleaf::torch_private {
@@ -132,9 +135,23 @@ inline void set_gradient_edge(const at::Tensor& t, torch::autograd::Edge edge) {
   torch::autograd::impl::set_gradient_edge(t, std::move(edge));
 }
 
-inline void set_history(
-    const at::Tensor& t,
-    const c10::intrusive_ptr<torch::autograd::Node>& node) {
+// How autograd holds its nodes: std::shared_ptr in 2.11 (Edge::function,
+// set_history), c10::intrusive_ptr in 2.13 and later. torchleaf makes its nodes
+// with make_node and holds them as NodePtr, whichever the release uses.
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+template <class T, class... Args>
+auto make_node(Args&&... args) {
+  if constexpr (std::is_same_v<
+                    NodePtr,
+                    std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  } else {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
+
+inline void set_history(const at::Tensor& t, const NodePtr& node) {
   torch::autograd::set_history(t, node);
 }
 
@@ -211,6 +228,32 @@ inline bool anomaly_mode_enabled() {
 }
 
 using ThreadLocalPythonObjects = at::impl::ThreadLocalPythonObjects;
+
+namespace detail {
+template <class T, class = void>
+struct HasErase : std::false_type {};
+template <class T>
+struct HasErase<
+    T,
+    std::void_t<decltype(T::erase(std::declval<const std::string&>()))>>
+    : std::true_type {};
+} // namespace detail
+
+// Removes `key` from this thread's Python objects. Releases without
+// ThreadLocalPythonObjects::erase (2.11) have no backward that stashes an
+// object there either: contains() is false, so nothing is ever erased.
+template <class Objects = ThreadLocalPythonObjects>
+inline void erase_thread_local_python_object(const std::string& key) {
+  if constexpr (detail::HasErase<Objects>::value) {
+    Objects::erase(key);
+  } else {
+    TORCH_INTERNAL_ASSERT(
+        !Objects::contains(key),
+        "torchleaf: a thread-local Python object that this PyTorch release "
+        "cannot erase: ",
+        key);
+  }
+}
 
 #ifdef TORCHLEAF_PYTHON_BINDINGS
 // ----------------------------------------------------- Python bindings

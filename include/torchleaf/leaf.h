@@ -16,7 +16,8 @@
 //       "mylib::clip_rows",
 //       [](const torchleaf::TensorList& in) {          // real: anything goes
 //         auto n = in[0].norm(2, 1, /*keepdim=*/true);
-//         return torchleaf::TensorList{n.max().item<double>() > 1 ? in[0] / n : in[0] * 1};
+//         return torchleaf::TensorList{n.max().item<double>() > 1 ? in[0] / n :
+//         in[0] * 1};
 //       },
 //       [](const torchleaf::TensorList& in) {          // fake: metadata only
 //         return torchleaf::TensorList{at::empty_like(in[0])};
@@ -24,7 +25,8 @@
 //       torchleaf::LeafOptions().inputs(1));
 //   auto y = clip({x})[0];   // through the dispatcher; autograd works
 //
-// From Python: torchleaf.load_library(path), then torch.ops.mylib.clip_rows([x]).
+// From Python: torchleaf.load_library(path), then
+// torch.ops.mylib.clip_rows([x]).
 
 namespace torchleaf {
 

@@ -464,17 +464,19 @@ TEST(Replay, NonCpuGraphsGoToTheEngine) {
   auto leaf =
       torchleaf::define_leaf(unique_name("non_cpu"), [](const TensorList& in) {
         const auto meta = torch::dtype(torch::kDouble).device(torch::kMeta);
-        auto on_meta = c10::make_intrusive<LambdaNode>([](variable_list&&) {
-          g_probe_task = torchleaf::torch_private::current_graph_task_id();
-          ++g_probe_runs;
-          return variable_list{torch::ones({2}, torch::kDouble)};
-        });
+        auto on_meta = torchleaf::torch_private::make_node<LambdaNode>(
+            [](variable_list&&) {
+              g_probe_task = torchleaf::torch_private::current_graph_task_id();
+              ++g_probe_runs;
+              return variable_list{torch::ones({2}, torch::kDouble)};
+            });
         on_meta->set_next_edges(torch::autograd::collect_next_edges(in[0]));
         auto mid = torch::empty({2}, meta);
         torch::autograd::set_history(mid, on_meta);
-        auto to_meta = c10::make_intrusive<LambdaNode>([meta](variable_list&&) {
-          return variable_list{torch::empty({2}, meta)};
-        });
+        auto to_meta = torchleaf::torch_private::make_node<LambdaNode>(
+            [meta](variable_list&&) {
+              return variable_list{torch::empty({2}, meta)};
+            });
         to_meta->set_next_edges(torch::autograd::collect_next_edges(mid));
         auto out = torch::zeros({2}, torch::kDouble);
         torch::autograd::set_history(out, to_meta);

@@ -95,7 +95,7 @@ torch::autograd::Edge refuse_backward_through(
     const variable_list& inputs,
     TensorList& outputs,
     const torch::autograd::Edge& extra = {}) {
-  auto node = c10::make_intrusive<LeafRefusedBackward>(
+  auto node = torch_private::make_node<LeafRefusedBackward>(
       std::move(entry), std::move(message));
   auto edges = torch_private::collect_next_edges(inputs);
   if (extra.is_valid()) {
@@ -589,7 +589,7 @@ std::optional<TensorList> call_autograd(
         ops::forward(entry.id, site.plan, inputs, mutated, differentiable);
   }
   held_by_its_handle_alone(state);
-  auto node = c10::make_intrusive<LeafBackward>(
+  auto node = torch_private::make_node<LeafBackward>(
       entry.shared_from_this(),
       std::move(state),
       std::move(differentiable),
