@@ -16,9 +16,6 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include <algorithm>
-#include <mutex>
-
 #include <torchleaf/errors.h>
 
 #include "../../capture.h"
@@ -27,6 +24,7 @@
 #include "../../torch_private.h"
 #include "../kernels.h"
 #include "../leaf_ops.h"
+#include "traced_refusals.h"
 
 namespace torchleaf::ops {
 
@@ -123,45 +121,6 @@ torch::autograd::Edge refuse_backward_through(
 bool functorch_active() {
   return torch_private::tls_local_dispatch_key_set().included_.has(
       c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
-}
-
-// The refused edge of a traced forward (fake or functional handle, no
-// CapturedState to keep CapturedState::refused_outer on): a compiled
-// torch.func.grad of a leaf records forward and backward in one trace, and
-// without this its gradient reached no outer input (a second-order term
-// missing silently, issue 36). Keyed by the handle's TensorImpl, held weakly;
-// entries of dead handles are dropped on the next insertion.
-struct TracedRefusal {
-  c10::weak_intrusive_ptr<c10::TensorImpl> handle;
-  torch::autograd::Edge edge;
-};
-std::mutex traced_refusals_mutex;
-std::vector<TracedRefusal> traced_refusals;
-
-void remember_traced_refusal(
-    const at::Tensor& handle,
-    torch::autograd::Edge edge) {
-  std::lock_guard<std::mutex> lock(traced_refusals_mutex);
-  traced_refusals.erase(
-      std::remove_if(
-          traced_refusals.begin(),
-          traced_refusals.end(),
-          [](const TracedRefusal& r) { return r.handle.expired(); }),
-      traced_refusals.end());
-  traced_refusals.push_back(
-      {c10::weak_intrusive_ptr<c10::TensorImpl>(handle.getIntrusivePtr()),
-       std::move(edge)});
-}
-
-torch::autograd::Edge traced_refusal(const at::Tensor& handle) {
-  std::lock_guard<std::mutex> lock(traced_refusals_mutex);
-  for (const auto& r : traced_refusals) {
-    auto impl = r.handle.lock();
-    if (impl && impl.get() == handle.unsafeGetTensorImpl()) {
-      return r.edge;
-    }
-  }
-  return {};
 }
 
 struct LeafBackward final : public Node {
