@@ -112,18 +112,26 @@ def _install_direct_entries():
         torch_private.set_op_overload_entry(overload, functools.partial(_C.direct_operator_entry, name))
 
 
+def _register_fake(name, fake):
+    """torch.library.register_fake over the operator's C++ Meta kernel (which
+    C++ callers use): the Python fake runs user fakes with full symbolic-shape
+    support. Through 2.11 register_fake refuses an operator with a Meta
+    kernel unless told to override it; later releases override by default."""
+    torch.library.register_fake(name, fake, allow_override=True)
+
+
 def register_ops():
     _install_direct_entries()
-    torch.library.register_fake("torchleaf::call", _fake_call)
-    torch.library.register_fake("torchleaf::forward", _fake_forward)
-    torch.library.register_fake("torchleaf::call_mutating", _fake_call_mutating)
-    torch.library.register_fake("torchleaf::forward_mutating", _fake_forward_mutating)
-    torch.library.register_fake("torchleaf::call_functional", _fake_call_functional)
-    torch.library.register_fake("torchleaf::forward_functional", _fake_forward_functional)
-    torch.library.register_fake("torchleaf::backward", _fake_backward)
-    torch.library.register_fake("torchleaf::stack_handles", _fake_stack_handles)
-    torch.library.register_fake("torchleaf::check_carried_int", _fake_check_carried_int)
-    torch.library.register_fake("torchleaf::check_output_sizes", _fake_check_output_sizes)
+    _register_fake("torchleaf::call", _fake_call)
+    _register_fake("torchleaf::forward", _fake_forward)
+    _register_fake("torchleaf::call_mutating", _fake_call_mutating)
+    _register_fake("torchleaf::forward_mutating", _fake_forward_mutating)
+    _register_fake("torchleaf::call_functional", _fake_call_functional)
+    _register_fake("torchleaf::forward_functional", _fake_forward_functional)
+    _register_fake("torchleaf::backward", _fake_backward)
+    _register_fake("torchleaf::stack_handles", _fake_stack_handles)
+    _register_fake("torchleaf::check_carried_int", _fake_check_carried_int)
+    _register_fake("torchleaf::check_output_sizes", _fake_check_output_sizes)
     # Operators that run user code are never dead code (FX and Inductor keep
     # impure operators). Python leaves' compiled calls are ordered by the
     # token they thread (_dynamo._ORDER_TOKEN), a data dependency that costs
@@ -203,7 +211,7 @@ def _register_named(name, fake, mutating):
     if name in _registered_named:
         return False
     _registered_named.add(name)
-    torch.library.register_fake(name, fake)
+    _register_fake(name, fake)
     if not mutating:
         register_effectful_op(named_op(name).default, EffectType.ORDERED)
     return True

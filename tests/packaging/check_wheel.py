@@ -59,8 +59,8 @@ with tempfile.TemporaryDirectory() as tmp:
 meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
 msg = email.parser.Parser().parsestr(zf.read(meta).decode())
 runtime = [r for r in msg.get_all("Requires-Dist") or [] if "extra ==" not in r]
-if len(runtime) != 1 or sorted(runtime[0].replace(" ", "").removeprefix("torch").split(",")) != ["<2.16", ">=2.11"]:
-    errors.append(f"runtime dependencies {runtime}, expected only torch>=2.11,<2.16")
+if len(runtime) != 1 or sorted(runtime[0].replace(" ", "").removeprefix("torch").split(",")) != ["<2.16", ">=2.13"]:
+    errors.append(f"runtime dependencies {runtime}, expected only torch>=2.13,<2.16")
 
 if errors:
     print("\n".join(["wheel check FAILED:"] + errors + ["entries:"] + names))
