@@ -88,13 +88,17 @@ test-matrix: deps-system
 	$(MATRIX_PIP) --no-build-isolation --no-deps -e . -C build-dir=$(MATRIX_BUILD_DIR)
 	@$(MATRIX_PYTHON) -c "import torch, torchleaf; print('torch', torch.__version__, '- torchleaf built against', torchleaf._C.BUILT_TORCH_VERSION)"
 	@rc=0; \
-	$(MAKE) --no-print-directory test-cpp BUILD_DIR=$(MATRIX_BUILD_DIR) CTEST_ARGS="-LE packaging" || rc=1; \
+	$(MAKE) --no-print-directory test-cpp BUILD_DIR=$(MATRIX_BUILD_DIR) CTEST_ARGS="$(MATRIX_CTEST_ARGS)" || rc=1; \
 	$(MAKE) --no-print-directory test-python PYTHON=$(MATRIX_PYTHON) BUILD_DIR=$(MATRIX_BUILD_DIR) TESTS="$(TESTS)" \
 	  PYTEST_ARGS="$(PYTEST_ARGS)" || rc=1; \
 	exit $$rc
 
+# CI's run leaves out the downstream CMake example too (label slow): it
+# failed once on 2.15.0 under load with its output hidden and passed on every
+# rerun; `make test-matrix` runs it.
+MATRIX_CTEST_ARGS ?= -LE packaging
 test-matrix-quick:
-	$(MAKE) --no-print-directory test-matrix TESTS="$(MATRIX_QUICK_TESTS)"
+	$(MAKE) --no-print-directory test-matrix TESTS="$(MATRIX_QUICK_TESTS)" MATRIX_CTEST_ARGS="-LE slow"
 
 # The quick loop (a few minutes): the C++ suite without the packaging tests,
 # the Python tests not marked slow (no Inductor compile, subprocess, wheel or
