@@ -20,10 +20,12 @@ from torch import nn
 from . import _carriers as carriers
 from . import _export
 from ._errors import LeafFunctionError
+from ._module_index import note_class
 from ._modules import HANDLE_ATTR, ModuleHandle, ModuleStructure, module_state, sight_module
 from ._outputs import traced_output, traced_result
 from ._runner import autocast_state
 from ._signature import (
+    BY_HANDLE,
     COMPILED,
     CONSTANT_ARG,
     FLOAT,
@@ -39,6 +41,7 @@ from ._signature import (
     MODULE_KINDS,
     NDARRAY,
     NDARRAY_ARG,
+    SHARED_MODULE_KEY,
     TENSOR,
     TENSOR_ARG,
     classify,
@@ -55,6 +58,7 @@ from ._torch_private import (
 
 _Tensor = torch.Tensor
 _MODULE = "\x00torchleaf:module"  # stands for a module in a compiled call's skeleton
+_SHARED_MODULE = "\x00torchleaf:shared-module"  # ... a shallow copy's (see compiled_call)
 
 # The order token of compiled calls: each call of a graph after the first
 # takes the one the previous call returned, and the last one is stored back
@@ -206,14 +210,20 @@ def _unnest(leaf, nested, flat, skeleton, path=()):
 def _intern_for_compile(leaf, skeleton, structures, *objects):
     """Called by Dynamo at trace time only; its result is a graph constant
     (the leaf id among it: reading ``leaf._id`` in the trace would guard on it).
-    ``skeleton``: the call's structure from _nest, with TENSOR, _MODULE and
-    the int markers at the leaves; ``structures``: one per _MODULE; ``objects``:
+    ``skeleton``: the call's structure from _nest, with TENSOR, _MODULE (or
+    _SHARED_MODULE) and the int markers at the leaves; ``structures``: (class,
+    names, aliases, n_params) per module; ``objects``:
     one per (_OBJECT, index) leaf."""
     flat: list = []
     spec = _unnest(leaf, skeleton, flat, skeleton)
-    structures = iter(structures)
+    modules = []
+    for cls, *state in structures:
+        note_class(cls)
+        modules.append(ModuleStructure(cls.__module__, cls.__qualname__, *state))
+    modules_in_order = iter(modules)
     key = tuple(
-        (MODULE_KEY, ModuleStructure(*next(structures))) if x is _MODULE
+        (MODULE_KEY, next(modules_in_order)) if x is _MODULE
+        else (SHARED_MODULE_KEY, next(modules_in_order)) if x is _SHARED_MODULE
         else objects[x[1]] if type(x) is tuple and len(x) == 2 and x[0] is _OBJECT
         else x
         for x in flat
@@ -308,6 +318,16 @@ def _first_ordered_call():
 
 
 
+def _handle_tensor(x):
+    """The handle input of a module that a compiled call names by a handle:
+    its own handle's tensor (lifted as an input, as a parameter is), or a
+    new handle's value as a constant (Dynamo then guards on the module)."""
+    handle = x.__dict__.get(HANDLE_ATTR)
+    if type(handle) is ModuleHandle and handle.owner() is x:
+        return handle.tensor
+    return torch.full((), sight_module(x), dtype=torch.int64)
+
+
 def compiled_call(leaf, args, kwargs):
     """A leaf call traced by Dynamo: its operator, with everything but the
     call's tensors (module tensors and handles included) and carried ints
@@ -338,29 +358,30 @@ def compiled_call(leaf, args, kwargs):
     structures = []
     objects: list = []
     module_tensors = []
-    handles = []
+    modules = []
     for x in flat:
         kind = classify(x, COMPILED)
         if kind == TENSOR_ARG:
             skeleton.append(TENSOR)
         elif kind == MODULE_ARG:
-            if _sharded_on_its_own(type(x)):
-                _refuse_compiled_argument(leaf, "fsdp", type(x).__name__)
-            names, aliases, n_params, tensors = module_state(x)
             cls = type(x)
-            skeleton.append(_MODULE)
+            if _sharded_on_its_own(cls):
+                _refuse_compiled_argument(leaf, "fsdp", cls.__name__)
+            names, aliases, n_params, tensors = module_state(x)
+            # The graph finds the module by its tensors when it runs
+            # (_module_index), so nothing here reads the module's identity:
+            # one graph serves every module of the structure, fresh ones
+            # included. A shallow copy (copy.copy) of a module torchleaf has
+            # seen shares its tensors and its handle: it is named by a
+            # handle of its own instead.
+            handle = x.__dict__.get(HANDLE_ATTR)
+            shared = type(handle) is ModuleHandle and handle.owner() is not x
+            skeleton.append(_SHARED_MODULE if shared else _MODULE)
             # (A plain tuple: a ModuleStructure built in traced code would
             # be traced; _intern_for_compile makes it one.)
-            structures.append((cls.__module__, cls.__qualname__, names, aliases, n_params))
+            structures.append((cls, names, aliases, n_params))
             module_tensors.append(tensors)
-            handle = x.__dict__.get(HANDLE_ATTR)
-            # None yet, unpickled, or (a shallow copy) another module's: a
-            # handle of its own, as on first sight. (Dynamo guards that the
-            # module owns the handle, not the module's identity.)
-            if type(handle) is not ModuleHandle or handle.owner() is not x:
-                handles.append(torch.full((), sight_module(x), dtype=torch.int64))
-            else:
-                handles.append(handle.tensor)
+            modules.append(x)
         elif kind == INT_ARG:
             # May be symbolic: its value reaches the function through a
             # carrier's size instead of a graph constant (or stays a
@@ -388,10 +409,13 @@ def compiled_call(leaf, args, kwargs):
         check_read_and_mutated(leaf, flat, slots, mutated_positions, plan_index)
     inputs = []
     mutable_buffers: list = []
+    handles = []
     module_index = 0
     for kind, pos, width, coding in slots:
         if kind in MODULE_KINDS:
             split_module_tensors(width, module_tensors[module_index], inputs, mutable_buffers)
+            if coding == BY_HANDLE:
+                handles.append(_handle_tensor(modules[module_index]))
             module_index += 1
         elif kind == IN_TENSOR:
             inputs.append(flat[pos])

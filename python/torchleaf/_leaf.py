@@ -12,8 +12,7 @@ three ways, decided here:
   traced by torch.export to :func:`._export.exported_call`;
 * other traced calls (make_fx, fake tensors, a functorch transform) bake
   constants into the plan and pass each nn.Module argument as its tensors
-  plus a handle tensor that names the module at run time, so one graph
-  serves every module of the same structure.
+  plus a handle tensor that names the module at run time.
 
 How arguments become tensors and back is :mod:`._signature`; what the real
 function runs under is :mod:`._runner`.
@@ -32,6 +31,7 @@ from torch import nn
 
 from . import _C, _dynamo, _export, _functorch, _runner
 from ._errors import LeafFunctionError, function_name
+from ._module_index import remember as remember_module
 from ._modules import ModuleView, _unbound_handle, handle_of, modules_lock, own_handle
 from ._modules import module_view as _module_view
 from ._outputs import SINGLE, check_traced_outputs, decode
@@ -333,8 +333,9 @@ class LeafFunction:
                 handle = own_handle(x)
                 if handle is None:  # made on eager calls too: later traces need it
                     view = ModuleView(x)
-                    handle = handle_of(x, view.structure)
+                    handle = handle_of(x)
                     handle.view = view
+                    remember_module(x, view)  # what compiled calls find it by
                 else:
                     view = _module_view(x, handle)
                 key.append((MODULE_KEY, view.structure))

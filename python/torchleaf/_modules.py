@@ -39,30 +39,27 @@ class ModuleStructure(NamedTuple):
         return len(self.names) - self.n_params
 
 
-# A module that torchleaf has seen carries a ModuleHandle in its __dict__.
-# Traced graphs take the handle's tensor as an input (Dynamo lifts it like a
-# parameter, without guarding on the module's identity) and the real function
-# looks the module up by the tensor's value when the graph runs. The table
-# holds modules weakly.
+# A module that torchleaf has seen eagerly carries a ModuleHandle in its
+# __dict__, which keeps the module's latest walk (its view). Graphs traced
+# from one call (make_fx, a functorch transform) take the handle's tensor as
+# an input and the real function looks the module up by its value when the
+# graph runs; compiled graphs find their modules by their tensors instead
+# (_module_index), except a shallow copy's. The table holds modules weakly.
 HANDLE_ATTR = "_torchleaf_handle"
 _MODULES: dict = {}  # handle value -> weakref to the module
 _MODULES_LOCK = threading.Lock()
 _handle_values = itertools.count(1)
-# Live modules by structure, for running fakes: a fake runs on fake tensors,
-# whose handle values are unknown, so it sees a module of the same structure
-# reparametrized with the call's own (fake) tensors.
-_BY_STRUCTURE: dict = {}  # structure -> WeakSet of modules
 
 
 class ModuleHandle:
     """The value that names one module in traced graphs."""
 
-    def __new__(cls, module, structure):
+    def __new__(cls, module):
         if module is None:  # (also what pickles of older versions unpickle to)
             return _UNBOUND
         return super().__new__(cls)
 
-    def __init__(self, module, structure):
+    def __init__(self, module):
         self.value = value = next(_handle_values)
         self.tensor = torch.tensor(value, dtype=torch.int64)
         self.view = None  # the module's ModuleView, once an eager call or a graph ran with it
@@ -75,7 +72,6 @@ class ModuleHandle:
 
         with _MODULES_LOCK:
             _MODULES[value] = weakref.ref(module, forget)
-            _BY_STRUCTURE.setdefault(structure, weakref.WeakSet()).add(module)
 
     def __deepcopy__(self, memo):
         # copy.deepcopy(model): the copy gets a handle of its own.
@@ -84,8 +80,7 @@ class ModuleHandle:
         copy = memo.get(id(owner)) if owner is not None else None
         if copy is None:
             return _UNBOUND
-        # The copy's own state is not set yet; it has the original's structure.
-        return ModuleHandle(copy, module_structure(owner)[0])
+        return ModuleHandle(copy)
 
     def __reduce__(self):
         # Handle values are process-local: an unpickled module gets a new
@@ -301,64 +296,23 @@ def module_view(module, handle=None):
 _PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> ModuleHandle
 
 
-def handle_of(module, structure):
+def handle_of(module):
     """The module's handle, made on first sight (or after a copy or unpickling
     left it with one that names another module)."""
     handle = own_handle(module)
     if handle is not None:
         return handle
-    handle = _PENDING.pop(module, None) or ModuleHandle(module, structure)
+    handle = _PENDING.pop(module, None) or ModuleHandle(module)
     module.__dict__[HANDLE_ATTR] = handle
     return handle
 
 
-def _module_of_structure(structure, tensors):
-    """A live module that has `structure` now (preferring one whose tensors
-    have the shapes of `tensors`), or None. Modules are filed by the
-    structure they had when torchleaf first saw them; one that changed since
-    (a parametrization, a buffer registered, a submodule added) is filed
-    again when no module is found under its new one."""
-    for rescanned in (False, True):
-        if rescanned:
-            with _MODULES_LOCK:
-                refs = list(_MODULES.values())
-            for ref in refs:
-                module = ref()
-                if module is not None:
-                    now = module_structure(module)[0]
-                    with _MODULES_LOCK:
-                        _BY_STRUCTURE.setdefault(now, weakref.WeakSet()).add(module)
-        with _MODULES_LOCK:
-            candidates = list(_BY_STRUCTURE.get(structure, ()))
-        fallback = None
-        for module in candidates:
-            now, own = module_structure(module)
-            if now != structure:
-                continue
-            if all(a.shape == b.shape for a, b in zip(own, tensors)):
-                return module
-            if fallback is None:
-                fallback = module
-        if fallback is not None:
-            return fallback
-    return None
-
-
-def module_at_run_time(leaf, handle, structure, tensors, fake):
-    if fake or type(handle) is not _Tensor or handle.is_meta:
-        # Fake tensors: any live module of this structure, preferring one whose
-        # tensors have the call's shapes.
-        module = _module_of_structure(structure, tensors)
-        if module is not None:
-            return module
-        raise LeafFunctionError(
-            f"torchleaf: leaf function '{leaf._name}' was traced with a {structure.cls_qualname} argument, "
-            f"but no module of that structure (parameters and buffers {list(structure.names)}) is "
-            f"alive to run its fake implementation on."
-        )
+def module_by_handle(leaf, handle, structure):
+    """The module a real call's handle tensor names."""
     ref = _MODULES.get(int(handle))
     module = ref() if ref is not None else None
-    if _PENDING and module is not None and own_handle(module) is None:  # (a shallow copy's is another's)
+    if _PENDING and module is not None and HANDLE_ATTR not in module.__dict__:
+        # (A shallow copy keeps the original's: traced code tells it by that.)
         pending = _PENDING.pop(module, None)
         if pending is not None:
             module.__dict__[HANDLE_ATTR] = pending
@@ -375,13 +329,14 @@ def module_at_run_time(leaf, handle, structure, tensors, fake):
 
 @assume_constant_result
 def sight_module(module):
-    """Called by Dynamo at trace time for a module that has no handle yet: makes
-    one (the same one again in a restarted trace; see _PENDING) and returns
-    its value. (Dynamo guards this trace on the module's identity; traces of
-    modules that already have handles do not.)"""
+    """Called by Dynamo at trace time for a module that a compiled call names
+    by a handle but that has none of its own (a shallow copy of a module
+    torchleaf knows, or a module without tensors to find it by): makes one
+    (the same one again in a restarted trace; see _PENDING) and returns its
+    value. Dynamo guards this trace on the module's identity."""
     handle = _PENDING.get(module)
     if handle is None:
-        handle = _PENDING[module] = ModuleHandle(module, module_structure(module)[0])
+        handle = _PENDING[module] = ModuleHandle(module)
     return handle.value
 
 
@@ -531,12 +486,14 @@ class _Binder:
 
 def call_with_modules(leaf, fn, args, kwargs, bindings, checked_views=()):
     """``fn(*args, **kwargs)`` with each module of ``bindings`` ((module,
-    structure, tensors, buffers_mutable), from Plan.rebuild) running on the
-    call's tensors; ``checked_views``: (module, view) pairs an eager call
-    checked moments ago (only C++ ran in between), used without a check."""
+    structure, tensors, buffers_mutable, view or None), from Plan.rebuild)
+    running on the call's tensors. A binding's view, or the view of
+    ``checked_views`` ((module, view) pairs an eager call checked moments
+    ago, only C++ running in between), is used without a check."""
     binders = []
-    for module, structure, own, buffers_mutable in bindings:
-        view = next((v for m, v in checked_views if m is module), None)
+    for module, structure, own, buffers_mutable, view in bindings:
+        if view is None:
+            view = next((v for m, v in checked_views if m is module), None)
         binders.append(_Binder(module, structure, own, buffers_mutable, view))
     # The call's tensors are the modules' while the function runs: no other
     # thread's call may read or swap them meanwhile (it would take this

@@ -27,7 +27,8 @@ from torch import nn
 from . import _carriers as carriers
 from . import _outputs as outputs
 from ._errors import LeafFunctionError
-from ._modules import ModuleStructure, module_at_run_time
+from . import _module_index
+from ._modules import ModuleStructure, module_by_handle
 from ._torch_private import pytree
 
 _Tensor = torch.Tensor
@@ -97,6 +98,9 @@ def classify(x, mode: int) -> int:
 # constant itself; eager keys hold None for constants.
 TENSOR = "\x00torchleaf:tensor"
 MODULE_KEY = "\x00torchleaf:module"
+# A compiled call's module that its graph names by a handle (a shallow copy
+# of a module torchleaf knows): (SHARED_MODULE_KEY, ModuleStructure).
+SHARED_MODULE_KEY = "\x00torchleaf:shared-module"
 NDARRAY = "\x00torchleaf:ndarray"  # a numpy array a traced call passes as a tensor
 FLOAT = "\x00torchleaf:float"  # a float a compiled program passes as a 0-dim tensor
 # An int a compiled program passes as a carrier's size, by its coding.
@@ -114,6 +118,12 @@ IN_TENSOR, IN_MODULE, IN_INT, IN_NDARRAY, IN_FLOAT = range(5)
 # declared mutable (BatchNorm's running statistics).
 IN_MODULE_MUTABLE_BUFFERS = 5
 MODULE_KINDS = (IN_MODULE, IN_MODULE_MUTABLE_BUFFERS)
+# How a graph's real call finds a module argument (a module slot's coding):
+# by a handle tensor that follows the slots' inputs (graphs traced from one
+# call; compiled calls with a shallow copy, or a module whose tensors, all
+# declared mutable, are no stable mark of it), or by its tensors (compiled
+# calls; _module_index).
+BY_HANDLE, BY_TENSORS = range(2)
 
 
 class Slot(NamedTuple):
@@ -122,7 +132,8 @@ class Slot(NamedTuple):
     kind: int  # IN_*
     position: int  # in the call's flat arguments
     module: Optional[ModuleStructure] = None  # module kinds
-    coding: Optional[int] = None  # IN_INT: the carrier's coding (carriers.SIZE, ...)
+    # IN_INT: the carrier's coding (carriers.SIZE, ...); module kinds: BY_HANDLE or BY_TENSORS
+    coding: Optional[int] = None
 
     @property
     def width(self) -> int:
@@ -173,7 +184,7 @@ class Plan:
 
     The operator receives ``inputs`` -- per ``slots`` entry a tensor, a
     module's parameters and buffers, or an int carrier; then, for traced
-    plans, one handle tensor per module; then, for compiled plans, the
+    plans, one handle tensor per module found BY_HANDLE; then, for compiled plans, the
     order token (not on a graph's first non-mutating call) -- and
     ``mutated``: tensor leaves of the parameters named in ``mutates_args``,
     then the buffers of modules named there, in that order.
@@ -184,7 +195,7 @@ class Plan:
     __slots__ = (
         "index", "spec", "template", "slots", "mutated", "ordered", "positional", "out",
         "out_plain", "out_from_real", "out_carries", "out_checks", "out_varied", "autocast", "out_dtypes",
-        "grad", "containers", "n_slot_inputs", "n_modules",
+        "grad", "containers", "n_slot_inputs", "n_handles",
     )
 
     def __init__(self, index, spec, template, slots, mutated, mode, positional, autocast=None, grad=False):
@@ -197,10 +208,9 @@ class Plan:
         self.mutated: tuple[int, ...] = mutated  # flat positions of declared-mutable tensors
         self.ordered: bool = mode == COMPILED
         self.positional: bool = positional  # tensors only, by position: call fn(*tensors)
-        # Operator inputs the slots take, and the modules among them (each
-        # adds a handle to traced calls' inputs).
+        # Operator inputs the slots take, and the handles that follow them.
         self.n_slot_inputs = sum(slot.width for slot in slots)
-        self.n_modules = sum(1 for slot in slots if slot.kind in MODULE_KINDS)
+        self.n_handles = sum(1 for slot in slots if slot.kind in MODULE_KINDS and slot.coding == BY_HANDLE)
         # (args index or kwargs key, first flat position, spec, leaves only)
         # of each argument that holds a mutable container, which the real
         # function gets rebuilt (check_containers_unchanged).
@@ -228,7 +238,7 @@ class Plan:
         """Whether a call whose ``inputs`` hold ``n_inputs`` tensors ends them
         with an order token: compiled calls do, except a graph's first
         non-mutating one (_dynamo: first_ordered_call)."""
-        return self.ordered and n_inputs > self.n_slot_inputs + self.n_modules
+        return self.ordered and n_inputs > self.n_slot_inputs + self.n_handles
 
     def record_output(self, leaf, desc, from_real=False, flat=None):
         """Record the description of what a traced graph returns for this
@@ -265,13 +275,13 @@ class Plan:
             outputs.check_graph_constants(leaf, traced, desc, self.out_from_real)
 
     def rebuild(self, leaf, tensors, eager_flat, fake):
-        """(args, kwargs, [(module, structure, tensors, buffers_mutable)],
-        flat) for one call, from the operator's tensors and, for an eager
-        call, its own flat arguments; `flat`, the leaves (args, kwargs) were
-        built from."""
+        """(args, kwargs, [(module, structure, tensors, buffers_mutable,
+        view or None)], flat) for one call, from the operator's tensors and,
+        for an eager call, its own flat arguments; `flat`, the leaves (args,
+        kwargs) were built from."""
         flat = list(eager_flat) if eager_flat is not None else list(self.template)
         k = 0
-        modules: list[tuple[int, Any, list, bool]] = []
+        modules: list[tuple[int, Any, list, bool, bool]] = []
         for slot in self.slots:
             kind, pos = slot.kind, slot.position
             if kind == IN_TENSOR:
@@ -291,21 +301,31 @@ class Plan:
                 flat[pos] = carriers.decode(tensors[k].shape[0], slot.coding)
             else:  # a module
                 n = slot.width
-                modules.append((pos, slot.module, list(tensors[k : k + n]), kind == IN_MODULE_MUTABLE_BUFFERS))
+                own = list(tensors[k : k + n])
+                modules.append((pos, slot.module, own, kind == IN_MODULE_MUTABLE_BUFFERS, slot.coding == BY_HANDLE))
                 k += n
                 continue
             k += 1
+        views = {}
         if eager_flat is None:
-            for pos, structure, own, _ in modules:
-                flat[pos] = module_at_run_time(leaf, tensors[k], structure, own, fake)
-                k += 1
+            for pos, structure, own, _, by_handle in modules:
+                if fake:
+                    # Fake tensors say nothing of which module they stand for:
+                    # any live module of the structure runs the fake.
+                    flat[pos] = _module_index.of_structure(leaf, structure, own)
+                elif by_handle:
+                    flat[pos] = module_by_handle(leaf, tensors[k], structure)
+                else:
+                    flat[pos], views[pos] = _module_index.find(leaf, structure, own)
+                if by_handle:
+                    k += 1
         if self.ordered and k < len(tensors):
             k += 1  # the order token (a graph's first call has none, unless it mutates)
         for pos in self.mutated:
             flat[pos] = tensors[k]
             k += 1
         bindings: list[tuple] = []
-        for pos, structure, own, buffers_mutable in modules:
+        for pos, structure, own, buffers_mutable, _ in modules:
             if buffers_mutable:  # its buffers come last
                 n = structure.n_buffers
                 own.extend(tensors[k : k + n])
@@ -314,7 +334,7 @@ class Plan:
             # The same module passed twice is bound once: its first slot's
             # tensors go unused (zero gradients, which add up right).
             bindings = [b for b in bindings if b[0] is not module]
-            bindings.append((module, structure, own, buffers_mutable))
+            bindings.append((module, structure, own, buffers_mutable, views.get(pos)))
         args, kwargs = pytree.tree_unflatten(flat, self.spec)
         return args, kwargs, bindings, flat
 
@@ -444,9 +464,13 @@ class Plans:
                         mutated.append(pos)
                     else:
                         slots.append(Slot(IN_TENSOR, pos))
-                elif type(k) is tuple and len(k) == 2 and k[0] is MODULE_KEY:
+                elif type(k) is tuple and len(k) == 2 and (k[0] is MODULE_KEY or k[0] is SHARED_MODULE_KEY):
                     kind = IN_MODULE_MUTABLE_BUFFERS if pos in mutated_positions else IN_MODULE
-                    slots.append(Slot(kind, pos, ModuleStructure(*k[1])))
+                    structure = ModuleStructure(*k[1])
+                    slot = Slot(kind, pos, structure, BY_HANDLE)
+                    if mode == COMPILED and k[0] is MODULE_KEY and slot.width:
+                        slot = slot._replace(coding=BY_TENSORS)
+                    slots.append(slot)
                 elif type(k) is str and k in _CODING_OF_INT:
                     slots.append(Slot(IN_INT, pos, coding=_CODING_OF_INT[k]))
                 elif k is NDARRAY:

@@ -1280,10 +1280,10 @@ def test_a_fake_whose_structure_follows_a_module_setting_is_a_clear_error(monkey
     # Which module of the structure a fake runs on is up to the order of a
     # weak set: here Dynamo's run of the fake gets the eval-mode copy and
     # AOTAutograd's the training one, as a probe saw.
-    from torchleaf import _modules
+    from torchleaf import _module_index
 
     picks = iter([ema])
-    monkeypatch.setattr(_modules, "_module_of_structure", lambda structure, tensors: next(picks, router))
+    monkeypatch.setattr(_module_index, "of_structure", lambda leaf, structure, tensors: next(picks, router))
     leaf = _leaf(route, fake)
     compiled = torch.compile(lambda r, x: leaf(r, x), backend="aot_eager", fullgraph=True)
     # (Raised while AOTAutograd traces, inside Dynamo's BackendCompilerFailed.)

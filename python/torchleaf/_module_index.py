@@ -1,0 +1,288 @@
+"""Finding a compiled call's module argument when its graph runs.
+
+A compiled graph serves every module of one structure, so it cannot name
+its module: a handle baked in as a constant, or read from the module (a
+fresh module has none until torchleaf sees it), would make Dynamo guard the
+graph on the module, and compile once per module. What the graph does get
+is the module's tensors, lifted as inputs like any parameter. So the module
+is found by them: by the address of its first tensor's data, which the
+call's tensors (aliases of the module's own) share.
+
+The index below maps that address to the modules torchleaf knows. A module
+it does not know yet (built or loaded after the last compile, never called
+eagerly) is looked for among the live instances of its class, once per
+batch of new modules. Where the call's tensors are no module's own
+(torch.func.functional_call under compile) any module of the structure
+serves, provided all of them agree in every attribute other than their
+tensors; otherwise the call fails with an error that says what to do.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import threading
+import weakref
+from typing import Optional
+
+import torch
+
+from ._errors import LeafFunctionError
+from ._modules import HANDLE_ATTR, ModuleStructure, ModuleView
+
+_Tensor = torch.Tensor
+_LOCK = threading.RLock()  # (weakref callbacks may run while it is held)
+
+# The classes of module arguments that compiled calls traced, by name:
+# ModuleStructure names its class, and the search for new modules needs it.
+_CLASSES: dict[tuple[str, str], weakref.WeakSet] = {}
+# Every module torchleaf knows, by class.
+_KNOWN: "weakref.WeakKeyDictionary[type, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
+class _Entry:
+    """A known module and its latest walk (see _modules.ModuleView)."""
+
+    __slots__ = ("ref", "view", "key", "__weakref__")
+
+    def __init__(self, module, view):
+        self.ref = weakref.ref(module, functools.partial(_forget, weakref.ref(self)))
+        self.view = view
+        self.key = data_key(view.tensors)
+
+
+def _forget(entry_ref, _):
+    # (The entry weakly: a cycle through the callback would keep the
+    # module's tensors, which its view holds, until a later collection.)
+    entry = entry_ref()
+    if entry is not None:
+        with _LOCK:
+            _unfile(entry)
+
+
+# data_key -> entries of modules whose first tensor's data is there.
+_BY_KEY: dict[int, list[_Entry]] = {}
+_ENTRIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # module -> _Entry
+
+
+def _unfile(entry):
+    entries = _BY_KEY.get(entry.key)
+    if entries is not None and entry in entries:
+        entries.remove(entry)
+        if not entries:
+            del _BY_KEY[entry.key]
+
+
+def data_key(tensors) -> Optional[int]:
+    """The address of the first tensor's data (None when no tensor has data:
+    all empty, on the meta device, or fake tensors while tracing)."""
+    for t in tensors:
+        try:
+            address = t.data_ptr()
+        except RuntimeError:  # no storage: fake and functional tensors, DTensor
+            return None
+        if address:
+            return address
+    return None
+
+
+def note_class(cls) -> None:
+    """Called at trace time with the class of a module argument."""
+    with _LOCK:
+        _CLASSES.setdefault((cls.__module__, cls.__qualname__), weakref.WeakSet()).add(cls)
+
+
+def remember(module, view=None) -> _Entry:
+    """Index a module (an eager call's, a trace's, or one found by a search)."""
+    entry = _ENTRIES.get(module)
+    if entry is None:
+        entry = _Entry(module, view if view is not None else ModuleView(module))
+        cls = type(module)
+        with _LOCK:
+            _ENTRIES[module] = entry
+            _CLASSES.setdefault((cls.__module__, cls.__qualname__), weakref.WeakSet()).add(cls)
+            _KNOWN.setdefault(cls, weakref.WeakSet()).add(module)
+            if entry.key is not None:
+                _BY_KEY.setdefault(entry.key, []).append(entry)
+    return entry
+
+
+def _refresh(entry, module) -> None:
+    """Walk the module again if it changed, and file it under its key now
+    (module.to(), param.data = ... move a tensor's data)."""
+    view = entry.view
+    if not view.unchanged(module):
+        view = entry.view = ModuleView(module)
+    key = data_key(view.tensors)
+    if key != entry.key:
+        with _LOCK:
+            _unfile(entry)
+            entry.key = key
+            if key is not None:
+                _BY_KEY.setdefault(key, []).append(entry)
+
+
+def find(leaf, structure: ModuleStructure, tensors) -> tuple:
+    """(module, view) of the module of ``structure`` whose tensors the
+    call's ``tensors`` are (its own, or aliases of them)."""
+    key = data_key(tensors)
+    entries = _BY_KEY.get(key) if key is not None else None
+    if entries is not None and len(entries) == 1:
+        entry = entries[0]
+        module = entry.ref()
+        if module is not None:
+            view = entry.view
+            if view.unchanged(module) and view.structure == structure and data_key(view.tensors) == key:
+                return module, view
+    return _find_slowly(leaf, structure, tensors, key)
+
+
+# A search of all live objects for new modules of a class takes ~30 ms in a
+# process with torch loaded. It runs when a call's module is not found; where
+# that keeps happening without the search finding it (tensors that are no
+# module's own), it runs after 1, 2, 4, ... further misses, at most every
+# 1024, so that its cost stays a vanishing share of the calls.
+_SEARCH_BACKOFF: dict[type, list[int]] = {}  # class -> [misses to skip, next backoff]
+
+
+def _search_for_new_modules(cls) -> None:
+    state = _SEARCH_BACKOFF.setdefault(cls, [0, 1])
+    if state[0] > 0:
+        state[0] -= 1
+        return
+    for obj in gc.get_referrers(cls):  # instances of a Python class refer to it
+        if type(obj) is cls:
+            remember(obj)
+    state[0], state[1] = state[1], min(state[1] * 2, 1024)
+
+
+def _classes_of(structure):
+    with _LOCK:
+        return list(_CLASSES.get((structure.cls_module, structure.cls_qualname), ()))
+
+
+def _candidates(structure, key):
+    found = []
+    for entry in list(_BY_KEY.get(key, ())) if key is not None else ():
+        module = entry.ref()
+        if module is not None:
+            _refresh(entry, module)
+            if entry.key == key and entry.view.structure == structure:
+                found.append((module, entry.view))
+    return found
+
+
+def _find_slowly(leaf, structure, tensors, key):
+    found = _candidates(structure, key)
+    if not found:
+        # Known modules whose tensors moved since they were indexed.
+        for cls in _classes_of(structure):
+            for module in list(_KNOWN.get(cls, ())):
+                _refresh(remember(module), module)
+        found = _candidates(structure, key)
+    if not found:
+        for cls in _classes_of(structure):
+            _search_for_new_modules(cls)
+        found = _candidates(structure, key)
+        if found:
+            for cls in _classes_of(structure):
+                _SEARCH_BACKOFF.pop(cls, None)  # found: the next new module is searched for at once
+    if len(found) == 1:
+        return found[0]
+    if found:  # modules sharing every tensor (a shallow copy and its original)
+        return _one_of(leaf, structure, found, "share the tensors of this call")
+    # The call's tensors are no module's own (functional_call): any module
+    # of the structure runs them, if all agree in their other attributes.
+    same = []
+    for cls in _classes_of(structure):
+        for module in list(_KNOWN.get(cls, ())):
+            entry = remember(module)
+            _refresh(entry, module)
+            if entry.view.structure == structure:
+                same.append((module, entry.view))
+    if same:
+        return _one_of(leaf, structure, same, "have this call's structure, and its tensors are none of theirs")
+    raise LeafFunctionError(
+        f"torchleaf: leaf function '{leaf._name}' was compiled with a {structure.cls_qualname} argument, "
+        f"and torchleaf finds no live {structure.cls_qualname} to run it on: a compiled call finds its "
+        f"module by the module's tensors. Call the leaf once outside the compiled region with the module "
+        f"(which makes torchleaf know it), or pass the module's tensors as arguments instead."
+    )
+
+
+def _one_of(leaf, structure, found, why):
+    first, view = found[0]
+    for module, _ in found[1:]:
+        differs = _first_difference(first, module)
+        if differs is not None:
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{leaf._name}' was compiled with a {structure.cls_qualname} "
+                f"argument, and {len(found)} live modules {why}, differing in {differs!r}: a compiled "
+                f"call finds its module by the module's tensors, so it cannot tell which one was passed. "
+                f"Give each module tensors of its own (copy.deepcopy instead of copy.copy), or call the "
+                f"leaf outside the compiled region."
+            )
+    return first, view
+
+
+_TENSOR_STATE = ("_parameters", "_buffers", "_modules", HANDLE_ATTR)
+_SIMPLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _same_value(a, b) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if type(a) in _SIMPLE:
+        return a == b
+    if type(a) in (tuple, list):
+        return len(a) == len(b) and all(map(_same_value, a, b))
+    if isinstance(a, dict):  # hooks, mostly: empty in both
+        return not a and not b
+    return False
+
+
+def _first_difference(a, b) -> Optional[str]:
+    """The name of an attribute, other than tensors and submodules, in which
+    two modules of one structure differ (walked with their submodules)."""
+    for (prefix, x), (_, y) in zip(a.named_modules(remove_duplicate=False), b.named_modules(remove_duplicate=False)):
+        if x is y:
+            continue
+        dx, dy = x.__dict__, y.__dict__
+        for name in dx.keys() | dy.keys():
+            if name in _TENSOR_STATE:
+                continue
+            if name not in dx or name not in dy or not _same_value(dx[name], dy[name]):
+                return f"{prefix}.{name}" if prefix else name
+    return None
+
+
+def of_structure(leaf, structure, tensors):
+    """A live module that has ``structure`` now, preferring one whose tensors
+    have the shapes of ``tensors``: what a fake runs on (fake tensors say
+    nothing of which module they stand for)."""
+    for searched in (False, True):
+        if searched:
+            for cls in _classes_of(structure):
+                for obj in gc.get_referrers(cls):
+                    if type(obj) is cls:
+                        remember(obj)
+        fallback = None
+        for cls in _classes_of(structure):
+            for module in list(_KNOWN.get(cls, ())):
+                entry = remember(module)
+                _refresh(entry, module)
+                if entry.view.structure != structure:
+                    continue
+                if all(a.shape == b.shape for a, b in zip(entry.view.tensors, tensors)):
+                    return module
+                if fallback is None:
+                    fallback = module
+        if fallback is not None:
+            return fallback
+    raise LeafFunctionError(
+        f"torchleaf: leaf function '{leaf._name}' was traced with a {structure.cls_qualname} argument, "
+        f"but no module of that structure (parameters and buffers {list(structure.names)}) is "
+        f"alive to run its fake implementation on."
+    )

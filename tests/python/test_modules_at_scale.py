@@ -1,0 +1,168 @@
+"""Leaf-heavy models as large-model trainers write them: many modules of one
+structure through one compiled function, blocks compiled one by one, fresh
+modules that torchleaf never saw, compared with the same model without
+torchleaf (values, gradients, frames compiled, ``.grad is None``)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import torchleaf
+from torchleaf import LeafFunctionError
+
+
+class Block(nn.Module):
+    def __init__(self, width=4):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x):
+        return self.norm(self.lin(x)).relu()
+
+
+def residual(block, x):
+    return block(x) + x
+
+
+leaf_residual = torchleaf.leaf_function(residual)
+leaf_residual.register_fake(lambda block, x: torch.empty_like(x))
+
+
+class Wrapped(nn.Module):
+    """One block and the function its forward calls (the leaf, or the plain
+    function)."""
+
+    def __init__(self, block, fn):
+        super().__init__()
+        self.block, self.fn = block, fn
+
+    def forward(self, x):
+        return self.fn(self.block, x)
+
+
+def _grads(module):
+    return [None if p.grad is None else p.grad.clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_fresh_modules_of_one_structure_share_one_graph(backend):
+    """32 modules that no eager call saw first, through one compiled function
+    with fullgraph=True: one frame, as the plain function compiles (Dynamo's
+    recompile limit is 8: a graph per module failed at the 9th)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    blocks = [Block() for _ in range(32)]
+    plain = copy.deepcopy(blocks)
+    x = torch.randn(3, 4)
+    counts = {}
+    for name, fn, modules in (("leaf", leaf_residual, blocks), ("plain", residual, plain)):
+        counter = CompileCounterWithBackend(backend)
+        step = torch.compile(lambda m, x, fn=fn: fn(m, x).square().sum(), backend=counter, fullgraph=True)
+        for m in modules:
+            step(m, x).backward()
+        counts[name] = counter.frame_count
+    assert counts["leaf"] == counts["plain"] == 1
+    for got, want in zip(blocks, plain):
+        for a, b in zip(got.parameters(), want.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)  # (Inductor fuses differently)
+    # Modules of another structure get a graph of their own, as in plain code.
+    wide = Block(width=6)
+    counter = CompileCounterWithBackend(backend)
+    step = torch.compile(lambda m, x: leaf_residual(m, x).sum(), backend=counter, fullgraph=True)
+    step(blocks[0], x)
+    for m in (wide, Block(width=6)):
+        torch.testing.assert_close(step(m, torch.ones(2, 6)), residual(m, torch.ones(2, 6)).sum())
+    assert counter.frame_count == 2
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_blocks_compiled_one_by_one(backend):
+    """Per-block compilation (each block's forward compiled on its own, the
+    pattern of FSDP trainers): frames as many as the plain model's, values
+    and gradients equal to it."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    blocks = [Block() for _ in range(32)]
+    models = {
+        "leaf": nn.Sequential(*[Wrapped(b, leaf_residual) for b in blocks]),
+        "plain": nn.Sequential(*[Wrapped(copy.deepcopy(b), residual) for b in blocks]),
+    }
+    x = torch.randn(3, 4, requires_grad=True)
+    frames, outs = {}, {}
+    for name, model in models.items():
+        counter = CompileCounterWithBackend(backend)
+        for w in model:
+            w.compile(backend=counter, fullgraph=True)
+        out = model(x)
+        out.square().sum().backward()
+        frames[name], outs[name] = counter.frame_count, out
+    assert frames["leaf"] == frames["plain"] <= 2  # (the first block's input does not require grad)
+    torch.testing.assert_close(outs["leaf"], outs["plain"], rtol=1e-4, atol=1e-4)
+    for a, b in zip(models["leaf"].parameters(), models["plain"].parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_a_freshly_loaded_checkpoint_runs_compiled_as_itself():
+    """A model built and loaded after the function was compiled (a checkpoint
+    restored mid-run): the compiled function runs on its weights, without a
+    new graph."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda m, x: leaf_residual(m, x), backend=counter, fullgraph=True)
+    x = torch.randn(3, 4)
+    first = Block()
+    torch.testing.assert_close(step(first, x), residual(first, x))
+    saved = {k: v * 3 for k, v in first.state_dict().items()}
+    restored = Block()
+    restored.load_state_dict(saved)
+    torch.testing.assert_close(step(restored, x), residual(restored, x))
+    assert not torch.allclose(residual(restored, x), residual(first, x))
+    assert counter.frame_count == 1
+
+
+def test_modules_that_share_every_tensor_but_differ_are_a_clear_error():
+    """Two modules that share all their tensors (copy.copy of one torchleaf
+    never saw) and differ in another attribute: a compiled call, which finds
+    its module by its tensors, cannot tell which it got, and says so."""
+    torch._dynamo.reset()
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 1)
+            self.scale = 1.0
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    run = torchleaf.leaf_function(lambda m, x: m(x))
+    run.register_fake(lambda m, x: x.new_empty(x.shape[0], 1))
+    f = torch.compile(lambda m, x: run(m, x), backend="aot_eager", fullgraph=True)
+    original, x = Scaled(), torch.randn(2, 3)
+    twin = copy.copy(original)
+    torch.testing.assert_close(f(twin, x), twin(x))  # alike: either serves
+    twin.scale = 10.0
+    with pytest.raises(LeafFunctionError, match=r"share the tensors of this call, differing in 'scale'.*copy.deepcopy"):
+        f(twin, x)
+    torch.testing.assert_close(run(twin, x), twin(x))  # eager calls have the module itself
+
+
+def test_no_module_state_outlives_its_module():
+    """The index of modules compiled calls find holds them weakly: a model
+    freed after compiled calls is gone, its parameters with it."""
+    import gc
+    import weakref
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda m, x: leaf_residual(m, x), backend="aot_eager", fullgraph=True)
+    block = Block()
+    step(block, torch.randn(2, 4))
+    refs = [weakref.ref(block), weakref.ref(block.lin.weight)]
+    del block
+    gc.collect()
+    assert all(r() is None for r in refs)
