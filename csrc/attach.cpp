@@ -14,7 +14,6 @@ void attach_to_caller(
     const LeafEntry& entry,
     const CapturedState& state,
     const edge_list& caller_edges,
-    const TensorList& captured_inputs,
     TensorList& outputs) {
   TORCH_INTERNAL_ASSERT(caller_edges.size() == state.input_edges.size());
   // The captured graph now leads straight into the caller's graph; the sinks
@@ -38,17 +37,12 @@ void attach_to_caller(
     // costs nothing in backward.
     return;
   }
+  // Inputs the captured graph does not reach get no gradient (None), as
+  // with the plain function: an idle expert's parameters keep .grad None,
+  // and optimizers skip them. (Compiled graphs, which must return a tensor
+  // for every differentiable input, give zeros: replay.cpp.)
   edge_list router_edges(state.output_edges.begin(), state.output_edges.end());
-  std::vector<InputMeta> zero_meta;
-  for (size_t i = 0; i < caller_edges.size(); ++i) {
-    if (!state.input_reached[i]) {
-      router_edges.push_back(caller_edges[i]);
-      const auto& t = captured_inputs[i];
-      zero_meta.push_back(InputMeta{t.sym_sizes().vec(), t.options()});
-    }
-  }
-  auto router = torch_private::make_node<LeafRouter>(
-      entry.shared_from_this(), std::move(zero_meta));
+  auto router = torch_private::make_node<LeafRouter>(entry.shared_from_this());
   router->set_next_edges(std::move(router_edges));
   for (size_t k = 0; k < outputs.size(); ++k) {
     if (outputs[k].requires_grad()) {

@@ -259,13 +259,12 @@ TensorList run_real_attached(
     c10::ArrayRef<bool> mutable_inputs,
     CallSite& site,
     c10::ArrayRef<bool> capture_mask,
-    const edge_list& caller_edges,
-    const TensorList& captured_inputs) {
+    const edge_list& caller_edges) {
   TORCH_INTERNAL_ASSERT(
       capture_mask.size() == inputs.size() && selects_any(capture_mask));
   RealCall call{entry, inputs, mutable_inputs, site, Capture::kForCaller};
   auto outputs = run(call, capture_mask, &caller_edges);
-  attach_to_caller(entry, *call.state, caller_edges, captured_inputs, outputs);
+  attach_to_caller(entry, *call.state, caller_edges, outputs);
   return outputs;
 }
 

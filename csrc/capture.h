@@ -57,15 +57,14 @@ CapturedCall run_real_captured(
 // inputs `capture_mask` selects (at least one), whose edges in the caller's
 // graph are `caller_edges` (one per selected input, in flat order), and
 // attaches the captured graph to the caller's (attach_to_caller): the
-// outputs keep its history. `captured_inputs` are the selected inputs.
+// outputs keep its history.
 TensorList run_real_attached(
     const LeafEntry& entry,
     const TensorList& inputs,
     c10::ArrayRef<bool> mutable_inputs,
     CallSite& site,
     c10::ArrayRef<bool> capture_mask,
-    const torch::autograd::edge_list& caller_edges,
-    const TensorList& captured_inputs);
+    const torch::autograd::edge_list& caller_edges);
 
 // Runs `entry`'s fake function, or fails with "requires a fake implementation".
 TensorList run_fake(
@@ -85,14 +84,13 @@ void copy_aliased_outputs(TensorList& outputs, const TensorList& inputs);
 // replay, no handle): each input sink forwards to `caller_edges[i]`, the
 // caller's edge for captured input i, and the outputs keep the captured
 // graph's edges. When some input is not reached, the outputs instead get one
-// node named after the leaf that routes gradients into the captured graph and
-// gives those inputs zeros. Retain_graph and create_graph behave exactly as
-// for any autograd graph.
+// node named after the leaf that routes gradients into the captured graph;
+// those inputs get no gradient, as with the plain function. Retain_graph and
+// create_graph behave exactly as for any autograd graph.
 void attach_to_caller(
     const LeafEntry& entry,
     const CapturedState& state,
     const torch::autograd::edge_list& caller_edges,
-    const TensorList& captured_inputs,
     TensorList& outputs);
 
 } // namespace torchleaf

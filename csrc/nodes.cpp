@@ -44,39 +44,23 @@ variable_list InputSink::apply_with_saved(
   return apply(variable_list(inputs));
 }
 
-LeafRouter::LeafRouter(LeafEntryPtr entry, std::vector<InputMeta> zero_meta)
-    : entry_(std::move(entry)), zero_meta_(std::move(zero_meta)) {}
+LeafRouter::LeafRouter(LeafEntryPtr entry) : entry_(std::move(entry)) {}
 
 variable_list LeafRouter::apply(variable_list&& grads) {
-  variable_list out = std::move(grads);
-  for (const auto& meta : zero_meta_) {
-    out.push_back(at::zeros_symint(meta.sizes, meta.options));
-  }
-  return out;
+  return std::move(grads);
 }
 
 std::string LeafRouter::name() const {
   return entry_->name + "Backward";
 }
 
-void LeafRouter::compiled_args(torch_private::CompiledNodeArgs& args) const {
-  for (const auto& meta : zero_meta_) {
-    args.collect(meta.sizes);
-    args.collect(meta.options);
-  }
-}
+void LeafRouter::compiled_args(
+    torch_private::CompiledNodeArgs& /*args*/) const {}
 
 variable_list LeafRouter::apply_with_saved(
     const variable_list& inputs,
-    torch_private::SwapSavedVariables& saved) {
-  for (auto& meta : zero_meta_) {
-    saved.before(meta.sizes);
-  }
-  auto out = apply(variable_list(inputs));
-  for (auto& meta : zero_meta_) {
-    saved.after(meta.sizes);
-  }
-  return out;
+    torch_private::SwapSavedVariables& /*saved*/) {
+  return apply(variable_list(inputs));
 }
 
 at::Tensor sink_alias(

@@ -46,17 +46,17 @@ struct InputSink final : public torch::autograd::Node {
   bool active_ = false;
 };
 
-// Eager mode: the node behind a captured call's outputs. Gradients pass
-// through to the captured graph; unreached inputs get zeros.
+// Eager mode: the node behind a captured call's outputs when some input is
+// not reached (its outputs then get their history anew: one computed from
+// cut-off tensors alone does not require grad). Gradients pass through to
+// the captured graph.
 struct LeafRouter final : public torch::autograd::Node {
-  LeafRouter(LeafEntryPtr entry, std::vector<InputMeta> zero_meta);
+  explicit LeafRouter(LeafEntryPtr entry);
 
   torch::autograd::variable_list apply(
       torch::autograd::variable_list&& grads) override;
   std::string name() const override;
 
-  // Compiled autograd traces apply(): the zeros become graph ops, their
-  // (possibly symbolic) sizes the compiled graph's.
   void compiled_args(torch_private::CompiledNodeArgs& args) const override;
   torch::autograd::variable_list apply_with_saved(
       const torch::autograd::variable_list& inputs,
@@ -64,7 +64,6 @@ struct LeafRouter final : public torch::autograd::Node {
 
  private:
   LeafEntryPtr entry_;
-  std::vector<InputMeta> zero_meta_;
 };
 
 // An alias of `t` whose gradient flows into a new sink, recorded in `state`.

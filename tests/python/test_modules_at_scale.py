@@ -166,3 +166,55 @@ def test_no_module_state_outlives_its_module():
     del block
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+class MixtureOfExperts(nn.Module):
+    """Top-1 routing over four experts: a batch that reaches only some experts
+    leaves the others idle, and AdamW must leave them alone."""
+
+    def __init__(self, width=4, n_experts=4):
+        super().__init__()
+        self.gate = nn.Linear(width, n_experts)
+        self.experts = nn.ModuleList([nn.Linear(width, width) for _ in range(n_experts)])
+
+    def forward(self, x):
+        return route(self, x)
+
+
+def route(moe, x):
+    choice = moe.gate(x).argmax(-1)
+    out = torch.zeros_like(x)
+    for i in choice.unique().tolist():  # data-dependent: a leaf's job
+        rows = choice == i
+        out[rows] = moe.experts[i](x[rows]) * moe.gate(x[rows]).softmax(-1)[:, i : i + 1]
+    return out
+
+
+leaf_route = torchleaf.leaf_function(route)
+leaf_route.register_fake(lambda moe, x: torch.empty_like(x))
+
+
+def test_an_idle_expert_keeps_no_gradient_under_adamw():
+    """Eager calls give no gradient (None) to parameters the captured graph
+    does not reach, as plain code: after 30 AdamW steps with weight decay an
+    idle expert is unchanged and the model equals the plain one."""
+    torch.manual_seed(0)
+    plain = MixtureOfExperts()
+    leafy = copy.deepcopy(plain)
+    leafy.forward = lambda x: leaf_route(leafy, x)
+    with torch.no_grad():  # a gate that never picks expert 3
+        for model in (plain, leafy):
+            model.gate.bias[3] = -1e4
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (plain, leafy)]
+    idle = leafy.experts[3].weight.detach().clone()
+    for _ in range(30):
+        x = torch.randn(8, 4)
+        for model, opt in zip((plain, leafy), optimizers):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        assert [p.grad is None for p in leafy.parameters()] == [p.grad is None for p in plain.parameters()]
+    assert leafy.experts[3].weight.grad is None
+    torch.testing.assert_close(leafy.experts[3].weight, idle, rtol=0, atol=0)
+    for a, b in zip(leafy.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b)

@@ -481,17 +481,14 @@ TensorList call_eager_differentiable(
   }
   // Sinks are created in flat order; match the caller's edges to them.
   edge_list caller_edges;
-  TensorList captured;
   caller_edges.reserve(differentiable.size());
-  captured.reserve(differentiable.size());
   for (size_t pos = 0; pos < flat.tensors.size(); ++pos) {
     if (mask[pos]) {
       caller_edges.push_back(torch_private::gradient_edge(flat.tensors[pos]));
-      captured.push_back(flat.tensors[pos]);
     }
   }
   return run_real_attached(
-      entry, flat.tensors, flat.is_mutable, site, mask, caller_edges, captured);
+      entry, flat.tensors, flat.is_mutable, site, mask, caller_edges);
 }
 
 } // namespace
