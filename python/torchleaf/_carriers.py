@@ -26,9 +26,49 @@ SIZE, NEGATED, ZIGZAG = 0, 1, 2
 #: Ints beyond this stay graph constants (seeds, hashes), as Dynamo keeps them.
 MAX_CARRIED_INT = 2**62
 
-#: What a fake sees for a float argument of a compiled call (fake tensors
-#: hold no data).
-FAKE_FLOAT = 1.0
+class StandInFloat(float):
+    """What a fake sees for a float argument of a compiled call: fake tensors
+    hold no data, and the graph does not bake the float in (it would
+    recompile for every value). Arithmetic on it gives stand-ins; reading its
+    value -- an int or a size made from it (int(), round(), math.ceil), a
+    comparison, a truth test -- raises an error that says how to bake the
+    value in (static_argnames), instead of letting a size computed from the
+    stand-in 1.0 fail later as a wrong fake."""
+
+    def __new__(cls, leaf_name, argument, value=1.0):
+        self = super().__new__(cls, value)
+        self.leaf_name, self.argument = leaf_name, argument
+        return self
+
+    def _read(self, *_):
+        name = self.argument.strip("'")
+        raise LeafFunctionError(
+            f"torchleaf: the fake implementation of leaf function '{self.leaf_name}' read the value of "
+            f"float argument {self.argument}, but a compiled call gives a fake a stand-in for a float "
+            f"(its value reaches the real function only when the graph runs). If the fake needs the "
+            f"value (an output's size made from it), mark the argument static: "
+            f"leaf_function(..., static_argnames=({name!r},)) bakes its value into the graph, and "
+            f"a new value compiles again."
+        )
+
+    __int__ = __trunc__ = __floor__ = __ceil__ = __round__ = __bool__ = _read
+    __lt__ = __le__ = __gt__ = __ge__ = _read
+
+
+def _stand_in_arithmetic(name):
+    op = getattr(float, name)
+
+    def method(self, *args):
+        value = op(self, *args)
+        return StandInFloat(self.leaf_name, self.argument, value) if type(value) is float else value
+
+    return method
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+              "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__",
+              "__rpow__", "__neg__", "__pos__", "__abs__"):
+    setattr(StandInFloat, _name, _stand_in_arithmetic(_name))
 
 
 def zigzag(n):

@@ -11,6 +11,8 @@ graph constant.
 """
 
 import functools
+import math
+import operator
 import sys
 import weakref
 
@@ -318,6 +320,35 @@ def _first_ordered_call():
 
 
 
+def _specialized(x, kind):
+    """A static argument's value as a constant, also where Dynamo made it
+    symbolic (a second value marks a frame's scalar dynamic): Dynamo
+    evaluates operator.index of a symbolic int, and math.frexp of a
+    symbolic float, to constants it guards (an exact round trip)."""
+    if kind == INT_ARG:
+        return operator.index(x)
+    return math.ldexp(*math.frexp(x))
+
+
+def _count_leaves(nested):
+    if nested is _LEAF:
+        return 1
+    return sum(_count_leaves(c) for c in nested[3])
+
+
+@assume_constant_result
+def _static_positions(leaf, nested):
+    """The flat positions of a compiled call's arguments that the leaf's
+    static_argnames name (``nested``: the call's _flatten_traced structure)."""
+    if not leaf._signature.static_argnames:
+        return ()
+    args, kwargs = nested[3]
+    # (A tuple: Dynamo cannot guard a frozenset constant's membership test.)
+    return tuple(sorted(leaf._signature.static_positions(
+        len(args[3]), list(kwargs[2]), [_count_leaves(c) for c in (*args[3], *kwargs[3])]
+    )))
+
+
 def _handle_tensor(x):
     """The handle input of a module that a compiled call names by a handle:
     its own handle's tensor (lifted as an input, as a parameter is), or a
@@ -354,15 +385,18 @@ def compiled_call(leaf, args, kwargs):
         return _export.exported_call(leaf, *pytree.tree_flatten((args, kwargs)))
     flat: list = []
     nested = _flatten_traced((args, kwargs), flat)
+    static = _static_positions(leaf, nested)
     skeleton: list = []
     structures = []
     objects: list = []
     module_tensors = []
     modules = []
-    for x in flat:
+    for i, x in enumerate(flat):
         kind = classify(x, COMPILED)
         if kind == TENSOR_ARG:
             skeleton.append(TENSOR)
+        elif static and kind in (INT_ARG, FLOAT_ARG) and i in static:
+            skeleton.append(_specialized(x, kind))  # baked in: Dynamo guards its value
         elif kind == MODULE_ARG:
             cls = type(x)
             if _sharded_on_its_own(cls):

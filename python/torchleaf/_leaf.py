@@ -91,7 +91,9 @@ class LeafFunction:
         tensor([3., 3.])
     """
 
-    def __init__(self, fn, mutates_args=(), validate_outputs=None, check_escaped_gradients=None, name=None):
+    def __init__(
+        self, fn, mutates_args=(), validate_outputs=None, check_escaped_gradients=None, name=None, static_argnames=()
+    ):
         if isinstance(fn, type) or not callable(fn):
             what = f"the class {fn.__qualname__}" if isinstance(fn, type) else f"a {type(fn).__name__} ({fn!r:.60})"
             raise LeafFunctionError(
@@ -110,7 +112,7 @@ class LeafFunction:
         self._qualified_name = name
         self._named_op = None  # its OpOverloadPacket, for exported calls
         self._name = name or function_name(fn)
-        self._signature = Signature(self._name, fn, mutates_args)
+        self._signature = Signature(self._name, fn, mutates_args, static_argnames)
         self._mutates_args = self._signature.mutates_args  # (read by every eager call)
         # A default argument is not an argument of the call: one that is a
         # tensor requiring grad would reach the body as a closure does (the
@@ -437,7 +439,9 @@ class _BoundLeaf:
         return f"<bound leaf function {self.__func__._name} of {self.__self__!r}>"
 
 
-def leaf_function(fn=None, *, mutates_args=(), validate_outputs=None, check_escaped_gradients=None, name=None):
+def leaf_function(
+    fn=None, *, mutates_args=(), validate_outputs=None, check_escaped_gradients=None, name=None, static_argnames=()
+):
     """Make ``fn`` a leaf function.
 
     A leaf function is opaque to ``torch.compile``, ``make_fx``, AOTAutograd,
@@ -465,6 +469,11 @@ def leaf_function(fn=None, *, mutates_args=(), validate_outputs=None, check_esca
             ``torch.ops.namespace.name``, and ``torch.export`` records its
             calls as that operator; a process that loads the exported program
             must import the module that defines it first.
+        static_argnames: Names of parameters whose values a compiled call
+            bakes into its graph, as JAX's jit does: the fake sees their
+            values (a capacity factor that sizes an output), and a new value
+            compiles again. Other ints and floats reach the real function at
+            run time, and a fake sees a stand-in for a float.
 
     Returns:
         A :class:`LeafFunction` wrapping ``fn`` (or, called with keywords
@@ -473,7 +482,7 @@ def leaf_function(fn=None, *, mutates_args=(), validate_outputs=None, check_esca
     Raises:
         LeafFunctionError: ``fn`` is not callable or is a class, ``name`` is
             not ``"namespace::name"`` or is taken by a live leaf, or a
-            ``mutates_args`` entry names no parameter.
+            ``mutates_args`` or ``static_argnames`` entry names no parameter.
 
     Example:
         >>> @torchleaf.leaf_function
@@ -494,6 +503,7 @@ def leaf_function(fn=None, *, mutates_args=(), validate_outputs=None, check_esca
             validate_outputs=validate_outputs,
             check_escaped_gradients=check_escaped_gradients,
             name=name,
+            static_argnames=static_argnames,
         )
 
     return wrap if fn is None else wrap(fn)

@@ -296,7 +296,10 @@ class Plan:
                 # function at run time. A fake gets a placeholder (fake
                 # tensors hold no data).
                 t = tensors[k]
-                flat[pos] = carriers.FAKE_FLOAT if fake and (type(t) is not _Tensor or t.is_meta) else t.item()
+                if fake and (type(t) is not _Tensor or t.is_meta):
+                    flat[pos] = carriers.StandInFloat(leaf._name, leaf._signature.argument_at(self.spec, pos))
+                else:
+                    flat[pos] = t.item()
             elif kind == IN_INT:
                 flat[pos] = carriers.decode(tensors[k].shape[0], slot.coding)
             else:  # a module
@@ -545,7 +548,7 @@ class Signature:
     """A leaf function's parameters, its declared mutations, and the names
     of its arguments in error messages."""
 
-    def __init__(self, name: str, fn, mutates_args):
+    def __init__(self, name: str, fn, mutates_args, static_argnames=()):
         self.name = name
         self.parameters: Any  # an inspect.Signature, or None (some builtins have none)
         try:
@@ -572,6 +575,32 @@ class Signature:
                 f"which {'is not a parameter' if len(unknown) == 1 else 'are not parameters'}; "
                 f"its parameters are {list(self.parameters.parameters)}."
             )
+        if isinstance(static_argnames, str):
+            static_argnames = (static_argnames,)
+        self.static_argnames = frozenset(static_argnames)
+        unknown = self.static_argnames - set(self.parameters.parameters if self.parameters else ())
+        if unknown:
+            raise LeafFunctionError(
+                f"torchleaf: leaf function '{name}' declares static_argnames={sorted(unknown)}, "
+                f"which {'is not a parameter' if len(unknown) == 1 else 'are not parameters'}; "
+                f"its parameters are {list(self.parameters.parameters) if self.parameters else []}."
+            )
+        # Positional parameter names in order (static_positions).
+        params = list(self.parameters.parameters.values()) if self.parameters is not None else []
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        self._positional_names = tuple(p.name for p in params if p.kind in positional)
+
+    def static_positions(self, n_args: int, kwarg_names, leaves_per_argument) -> frozenset:
+        """The flat positions of a call's arguments that static_argnames
+        names: ``n_args`` positional arguments and ``kwarg_names``, holding
+        ``leaves_per_argument`` flat leaves each, in that order."""
+        static, start = set(), 0
+        names = [self._positional_names[i] if i < len(self._positional_names) else None for i in range(n_args)]
+        for name, n in zip([*names, *kwarg_names], leaves_per_argument):
+            if name in self.static_argnames:
+                static.update(range(start, start + n))
+            start += n
+        return frozenset(static)
 
     def tensor_defaults(self) -> tuple:
         """(name, default) of each parameter whose default is a tensor and

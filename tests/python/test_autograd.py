@@ -92,7 +92,7 @@ def test_gradcheck_pytree_inputs_and_module():
         torch.testing.assert_close(g, p.grad)
 
 
-def test_unused_inputs_get_zeros_and_non_differentiable_outputs():
+def test_unused_inputs_get_no_gradient_and_non_differentiable_outputs():
     leaf = _leaf(lambda x, unused: (x * 2, x.argmax(), torch.ones(2)))
     x, unused = torch.randn(3, requires_grad=True), torch.randn(2, 2, requires_grad=True)
     a, idx, const = leaf(x, unused)
@@ -100,9 +100,15 @@ def test_unused_inputs_get_zeros_and_non_differentiable_outputs():
     # As with the plain function: an output that depends on no input does
     # not require grad (it did when some differentiable input went unused).
     assert a.requires_grad and not const.requires_grad
-    gx, gu = torch.autograd.grad(a.sum() + const.sum(), (x, unused))
+    # As with the plain function, the unused input gets no gradient: None
+    # with allow_unused, an error without, and .grad stays None.
+    gx, gu = torch.autograd.grad(a.sum() + const.sum(), (x, unused), retain_graph=True, allow_unused=True)
     torch.testing.assert_close(gx, torch.full((3,), 2.0))
-    torch.testing.assert_close(gu, torch.zeros(2, 2))
+    assert gu is None
+    with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+        torch.autograd.grad(a.sum(), (x, unused), retain_graph=True)
+    a.sum().backward()
+    assert unused.grad is None
     # Only the unused input requires grad: nothing does.
     assert not any(t.requires_grad for t in leaf(x.detach(), unused))
 

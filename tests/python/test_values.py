@@ -1304,3 +1304,40 @@ def test_a_fake_whose_structure_follows_a_module_setting_is_a_clear_error(monkey
         expected = route_by(router, x, training)
         torch.testing.assert_close(out, expected[0])
         assert (aux is None) == (not training)
+
+
+def _capacity_rows(x, capacity):
+    return x[: int(x.shape[0] * capacity)] * 2
+
+
+def _capacity_fake(x, capacity):
+    return x.new_empty(int(x.shape[0] * capacity), x.shape[1])
+
+
+def test_a_float_the_fake_sizes_an_output_with_is_static_or_a_clear_error():
+    """A capacity factor that sizes an output: without static_argnames the
+    fake gets a stand-in, and reading its value says how to mark it static
+    (before, the fake sized the output with the stand-in 1.0 and the user
+    was told the fake was wrong); with it, its value is baked in and a new
+    value compiles again, as plain code does."""
+    torch._dynamo.reset()
+    x = torch.randn(8, 3)
+    dynamic = _leaf(_capacity_rows, _capacity_fake)
+    compiled = torch.compile(lambda x, c: dynamic(x, c), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"read the value of float argument 'capacity'.*static_argnames=\('capacity',\)"):
+        compiled(x, 0.5)
+    torch.testing.assert_close(dynamic(x, 0.5), _capacity_rows(x, 0.5))  # eager: the real value
+
+    static = torchleaf.leaf_function(_capacity_rows, static_argnames="capacity")
+    static.register_fake(_capacity_fake)
+    frames = {}
+    for name, fn in (("leaf", static), ("plain", _capacity_rows)):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(lambda x, c, fn=fn: fn(x, c), backend=counter, fullgraph=True)
+        for c in (0.5, 0.5, 0.25, 0.75, 0.25):
+            torch.testing.assert_close(compiled(x, c), _capacity_rows(x, c))
+        frames[name] = counter.frame_count
+    assert frames["leaf"] <= frames["plain"] + 1, frames
+    with pytest.raises(LeafFunctionError, match=r"static_argnames=\['cap'\], which is not a parameter"):
+        torchleaf.leaf_function(_capacity_rows, static_argnames=("cap",))
