@@ -467,7 +467,7 @@ def structure_markdown(structure):
     return out
 
 
-def markdown(*, info, settings_note, results, cpp, cpp_error, memory, targets, plot_name, load, elapsed_s, module=None,
+def markdown(*, info, settings_note, results, cpp, cpp_error, memory, targets, plot_name, load, elapsed_s, module=None, heavy=None,
              instructions=None, by_library=None, split=None, structure=None):
     out = ["# torchleaf benchmarks", ""]
     out += [
@@ -527,6 +527,19 @@ def markdown(*, info, settings_note, results, cpp, cpp_error, memory, targets, p
         ]
         out += module_args.markdown(module)
         out.append("")
+    if heavy:
+        import leaf_heavy
+
+        out += ["## Per-step time of a leaf-heavy model", "", leaf_heavy.DESCRIPTION + ".", ""]
+        out += [
+            "Each step in ms, with the ratio to plain code in the same mode (`python "
+            "benchmarks/leaf_heavy.py` runs only this table; `--cold-compile` the cold Inductor "
+            "compile). The leaf's body runs eagerly in every mode (it is opaque to the compiler), so "
+            "under Inductor the floor is the plain model run eagerly; docs/profile.md has the breakdown.",
+            "",
+            leaf_heavy.table(heavy),
+            "",
+        ]
     out += [f"![per-call overhead]({plot_name})", ""]
     if split is not None:
         out += capture_split_markdown(split)

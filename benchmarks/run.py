@@ -24,6 +24,7 @@ import torch
 import capture_split
 import cpp_bench
 import instructions
+import leaf_heavy
 import module_args
 import overhead
 import report
@@ -105,6 +106,9 @@ def main():
     log("Large module argument (python benchmarks/module_args.py runs only this)")
     module = module_args.run(quick=args.quick, log=log)
 
+    log("Leaf-heavy model (python benchmarks/leaf_heavy.py runs only this)")
+    heavy = leaf_heavy.run(quick=args.quick, log=log)
+
     log("Memory")
     memory = run_memory(args.quick)
 
@@ -130,6 +134,9 @@ def main():
             json.dump({
                 "python": report.results_as_json(results),
                 "module": {f"{mode}/{impl}": t.as_dict() for (mode, impl), t in module.items()},
+                "leaf_heavy": {
+                    f"{n}/{mode}/{impl}": r if isinstance(r, str) else r.as_dict() for (n, mode, impl), r in heavy.items()
+                },
                 "cpp": cpp,
                 "memory": memory,
                 "instructions": counts,
@@ -155,6 +162,7 @@ def main():
         cpp_error=cpp_error,
         memory=memory,
         module=module,
+        heavy=heavy,
         targets=targets,
         plot_name=plot_name,
         load=(load_start, os.getloadavg()[0]),

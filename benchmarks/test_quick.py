@@ -23,6 +23,12 @@ def test_quick_benchmark_run(tmp_path):
     torchleaf_rows = [line for line in table.splitlines() if line.startswith("| torchleaf |")]
     assert len(torchleaf_rows) == 3, table  # small and medium bodies, large module
     assert "### large module:" in table
+    # The leaf-heavy model's table: N = 10 and 100, three modes, torchleaf
+    # measured (not failed) in each.
+    heavy_rows = [line for line in table.splitlines() if line.startswith(("| 10 |", "| 100 |"))]
+    assert len(heavy_rows) == 6, table
+    for row in heavy_rows:
+        assert row.split("|")[4].strip().endswith("×)"), row
     for row in torchleaf_rows:
         assert "not supported" not in row, row
     assert "| torchleaf leaf |" in table  # C++ and memory rows

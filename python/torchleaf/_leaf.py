@@ -50,9 +50,13 @@ from ._signature import (
     Plans,
     Signature,
     classify,
+    positional_spec,
     split_module_tensors,
 )
 from ._torch_private import dynamo_is_tracing, pytree
+
+# Arguments that are pytree leaves, besides tensors and modules.
+_SCALARS = frozenset((int, float, bool, str, type(None)))
 
 # Pickles of modules that torchleaf saw name this function here (a handle
 # unpickles to "no handle"); it lives in _modules.
@@ -291,6 +295,22 @@ class LeafFunction:
                     if desc is SINGLE:
                         return outputs[0]
                     return decode(desc, outputs)
+        if not kwargs:
+            # By position, each argument a pytree leaf (tensors, modules,
+            # scalars: a layer's leaf(block, x)): the flat arguments are the
+            # arguments, without pytree's walk (~15 us per call).
+            has_module = False
+            for a in args:
+                if isinstance(a, nn.Module):
+                    has_module = True
+                elif not (isinstance(a, _Tensor) or type(a) in _SCALARS):
+                    break
+            else:
+                flat, spec = list(args), positional_spec(len(args))
+                if has_module:
+                    with modules_lock():
+                        return self._call_flat(flat, spec)
+                return self._call_flat(flat, spec)
         flat, spec = pytree.tree_flatten((args, kwargs))
         for x in flat:
             if isinstance(x, nn.Module):

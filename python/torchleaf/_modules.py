@@ -39,6 +39,15 @@ class ModuleStructure(NamedTuple):
         return len(self.names) - self.n_params
 
 
+# One ModuleStructure object per structure (strings only, no user objects):
+# a plan's and a view's compare by identity, at once, on every call.
+_STRUCTURES: dict = {}
+
+
+def interned(structure: ModuleStructure) -> ModuleStructure:
+    return _STRUCTURES.setdefault(structure, structure)
+
+
 # A module that torchleaf has seen eagerly carries a ModuleHandle in its
 # __dict__, which keeps the module's latest walk (its view). Graphs traced
 # from one call (make_fx, a functorch transform) take the handle's tensor as
@@ -160,7 +169,7 @@ def module_structure(module):
     """(structure, tensors): what a plan keys on for a module argument."""
     names, aliases, n_params, tensors = _module_state_by_id(module)
     cls = type(module)
-    return ModuleStructure(cls.__module__, cls.__qualname__, names, aliases, n_params), tensors
+    return interned(ModuleStructure(cls.__module__, cls.__qualname__, names, aliases, n_params)), tensors
 
 
 

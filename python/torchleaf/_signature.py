@@ -28,7 +28,7 @@ from . import _carriers as carriers
 from . import _outputs as outputs
 from ._errors import LeafFunctionError
 from . import _module_index
-from ._modules import ModuleStructure, module_by_handle
+from ._modules import ModuleStructure, interned, module_by_handle
 from ._torch_private import pytree
 
 _Tensor = torch.Tensor
@@ -168,6 +168,17 @@ def _fingerprint(full_key) -> int:
     return int.from_bytes(digest, "little") & _FINGERPRINT_MASK
 
 
+_POSITIONAL_SPECS: dict = {}
+
+
+def positional_spec(n: int):
+    """The pytree spec of ``(args, {})`` for n leaf arguments by position."""
+    spec = _POSITIONAL_SPECS.get(n)
+    if spec is None:
+        spec = _POSITIONAL_SPECS[n] = pytree.tree_structure((tuple(range(n)), {}))
+    return spec
+
+
 class EagerArguments(NamedTuple):
     """What an eager call hands its real function through the core (which
     holds it as an opaque object): the call's own flat arguments (constants
@@ -195,7 +206,7 @@ class Plan:
     __slots__ = (
         "index", "spec", "template", "slots", "mutated", "ordered", "positional", "out",
         "out_plain", "out_from_real", "out_carries", "out_checks", "out_varied", "autocast", "out_dtypes",
-        "grad", "containers", "n_slot_inputs", "n_handles",
+        "grad", "containers", "n_slot_inputs", "n_handles", "by_position",
     )
 
     def __init__(self, index, spec, template, slots, mutated, mode, positional, autocast=None, grad=False):
@@ -215,6 +226,8 @@ class Plan:
         # of each argument that holds a mutable container, which the real
         # function gets rebuilt (check_containers_unchanged).
         self.containers = () if positional else _mutable_container_arguments(spec)
+        # Leaf arguments by position only: rebuilt as tuple(flat), without pytree.
+        self.by_position = spec == positional_spec(spec.num_leaves)
         self.out = None  # the fake's output description, once traced
         self.out_plain = False  # whether `out` holds no constants
         self.out_from_real = False  # `out` came from a real call, no fake ran
@@ -338,6 +351,8 @@ class Plan:
             # tensors go unused (zero gradients, which add up right).
             bindings = [b for b in bindings if b[0] is not module]
             bindings.append((module, structure, own, buffers_mutable, views.get(pos)))
+        if self.by_position:
+            return tuple(flat), {}, bindings, flat
         args, kwargs = pytree.tree_unflatten(flat, self.spec)
         return args, kwargs, bindings, flat
 
@@ -439,6 +454,7 @@ class Plans:
         self.signature = signature
         self.by_index: dict[int, Plan] = {}
         self._by_key: dict[Any, Plan] = {}
+        self._by_position: dict[Any, Plan] = {}  # (mode, key, autocast, grad) of by-position calls
         self.positional: dict[int, Plan] = {}  # arity -> eager plan of all-tensor positional calls
         self._lock = threading.Lock()
 
@@ -451,9 +467,18 @@ class Plans:
     def from_key(self, spec, key: tuple, mode: int, autocast=None, grad: bool = False) -> Plan:
         """The plan for a call key (see "call keys" above). Compiled plans also
         key on the autocast state and the grad mode they were traced under."""
+        # Calls by position key without their spec (hashing a TreeSpec walks
+        # it in Python: ~4 us, on every eager call).
+        by_position = spec is _POSITIONAL_SPECS.get(len(key))
+        if by_position:
+            plan = self._by_position.get((mode, key, autocast, grad))
+            if plan is not None:
+                return plan
         full_key = (mode, spec, key, autocast, grad)
         plan = self._by_key.get(full_key)
         if plan is not None:
+            if by_position:
+                self._by_position[(mode, key, autocast, grad)] = plan
             return plan
         with self._lock:
             plan = self._by_key.get(full_key)
@@ -469,7 +494,7 @@ class Plans:
                         slots.append(Slot(IN_TENSOR, pos))
                 elif type(k) is tuple and len(k) == 2 and (k[0] is MODULE_KEY or k[0] is SHARED_MODULE_KEY):
                     kind = IN_MODULE_MUTABLE_BUFFERS if pos in mutated_positions else IN_MODULE
-                    structure = ModuleStructure(*k[1])
+                    structure = interned(ModuleStructure(*k[1]))
                     slot = Slot(kind, pos, structure, BY_HANDLE)
                     if mode == COMPILED and k[0] is MODULE_KEY and slot.width:
                         slot = slot._replace(coding=BY_TENSORS)

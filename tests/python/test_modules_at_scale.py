@@ -218,3 +218,26 @@ def test_an_idle_expert_keeps_no_gradient_under_adamw():
     torch.testing.assert_close(leafy.experts[3].weight, idle, rtol=0, atol=0)
     for a, b in zip(leafy.parameters(), plain.parameters()):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.slow
+def test_inductor_compiles_no_kernel_per_module():
+    """The compile work of a leaf-heavy model does not grow with its module
+    count beyond its operator calls: Inductor generates the same kernels for
+    2 blocks as for 8 (a constant handle per fresh module was one kernel
+    each, 100 of them in a 100-layer model, 5x plain code's cold compile)."""
+    from torch._inductor.utils import run_and_get_code
+
+    def kernels(n):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(*[Wrapped(Block(), leaf_residual) for _ in range(n)])
+        x = torch.randn(3, 4)
+        compiled = torch.compile(lambda x: model(x).square().sum(), backend="inductor", fullgraph=True)
+        _, code = run_and_get_code(lambda: compiled(x).backward())
+        text = "\n".join(code)
+        assert text.count("torch.ops.torchleaf.forward.default(") == n  # (a training graph's)
+        return text.count("async_compile.cpp"), text.count("cpp_fused_full")
+
+    assert kernels(2) == kernels(8)
+    assert kernels(8)[1] == 0
