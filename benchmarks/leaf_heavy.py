@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import torch
 from torch import nn
@@ -88,11 +89,22 @@ class Model(nn.Module):
         return x
 
 
+def _model_class(impl):
+    """Model with a forward of its own code object: Dynamo caches compiled
+    frames per code object and checks each entry's guards in turn (for a
+    100-layer model, thousands), so variants sharing one forward would each
+    pay for checking the others' guards first."""
+    forward = Model.forward
+    code = forward.__code__.replace(co_name=f"forward_{impl}")
+    own = types.FunctionType(code, forward.__globals__, f"forward_{impl}", forward.__defaults__, forward.__closure__)
+    return type(f"Model_{impl}", (Model,), {"forward": own})
+
+
 def make_step(n, impl, mode, fns=None, seed=0):
     """(step, model): one training step of a fresh model."""
     fns = fns or _functions()
     torch.manual_seed(seed)
-    model = Model(n, fns[impl])
+    model = _model_class(impl)(n, fns[impl])
     x = torch.randn(8, WIDTH)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     forward = model if mode == "eager" else torch.compile(model, backend=mode)

@@ -88,11 +88,27 @@ def _install_inductor_lowerings():
                             V.graph.never_reuse_buffers.add(buffer.get_name())
                         except (AttributeError, NotImplementedError):
                             pass  # not a buffer (a constant, an opaque object)
-                elif op_at is None and _is_output(operation, ir, _STATE_HANDLE_INDEX):
+                elif op_at is None and (
+                    _is_output(operation, ir, _STATE_HANDLE_INDEX) or _is_order_token(operation, ir)
+                ):
                     _skip_size_check(operation)
             return result
 
         lowering.lowerings[target] = keep_inputs
+
+    def skip_check_of_order_token(target):
+        fallback = lowering.lowerings[target]
+
+        @functools.wraps(fallback)
+        def unchecked_token(*args, **kwargs):
+            first = len(V.graph.operations)
+            result = fallback(*args, **kwargs)
+            for operation in V.graph.operations[first:]:
+                if _is_order_token(operation, ir):
+                    _skip_size_check(operation)
+            return result
+
+        lowering.lowerings[target] = unchecked_token
 
     def skip_checks_of_backward(target):
         fallback = lowering.lowerings[target]
@@ -151,6 +167,9 @@ def _install_inductor_lowerings():
     for op in capturing:
         ensure_fallback(op)
         wrap(op, inputs_at=2)
+    for op in (torch.ops.torchleaf.call.default, torch.ops.torchleaf.call_mutating.default):
+        ensure_fallback(op)
+        skip_check_of_order_token(op)
     ensure_fallback(torch.ops.torchleaf.backward.default)
     skip_checks_of_backward(torch.ops.torchleaf.backward.default)
     ensure_fallback(torch.ops.torchleaf.check_carried_int.default)
@@ -180,6 +199,18 @@ def _is_output(operation, ir, index):
     ):
         return False
     return index is None or (len(operation.indices) == 1 and operation.indices[0][1] == index)
+
+
+def _is_order_token(operation, ir):
+    """Whether `operation` takes a torchleaf operator's order token: its
+    zero-size int64 output, which no kernel reads (from 2.14 Inductor
+    asserts zero-size outputs too, on every step)."""
+    if not _is_output(operation, ir, None):
+        return False
+    try:
+        return operation.get_dtype() == torch.int64 and list(operation.get_size()) == [0]
+    except (AttributeError, NotImplementedError):
+        return False
 
 
 def _skip_size_check(output):

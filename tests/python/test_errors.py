@@ -197,6 +197,37 @@ def jit_traced():
     torch.jit.trace(lambda x: leaf(x) + 1, (torch.ones(2),))
 
 
+def fake_reads_a_float():
+    leaf = leaf_with_fake(
+        lambda x, capacity: x[: int(x.shape[0] * capacity)],
+        lambda x, capacity: x.new_empty(int(x.shape[0] * capacity)),
+    )
+    torch.compile(lambda x, c: leaf(x, c), backend="eager", fullgraph=True)(torch.ones(8), 0.5)
+
+
+def unknown_static_argnames():
+    torchleaf.leaf_function(static_argnames=("cap",))(lambda x, capacity: x * capacity)
+
+
+def modules_indistinguishable():
+    import copy
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.scale = 1.0
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    leaf = leaf_with_fake(lambda m, x: m(x), lambda m, x: torch.empty_like(x))
+    original = Scaled()
+    twin = copy.copy(original)
+    twin.scale = 2.0
+    torch.compile(lambda m, x: leaf(m, x), backend="eager", fullgraph=True)(twin, torch.ones(1, 2))
+
+
 CASES = [
     (no_fake, LeafFunctionError, r"requires a fake implementation.*register_fake"),
     (fake_structure, LeafFunctionError, r"different output structure than its fake implementation"),
@@ -219,6 +250,9 @@ CASES = [
     (wrong_gradient_count, LeafFunctionError, r"backward received 1 gradient\(s\) for 2 output\(s\)"),
     (opaque_pytree_context, LeafFunctionError, r"got a Box in positional argument 0 under torch.compile, a pytree node whose context .* is not made of plain constants"),
     (jit_traced, LeafFunctionError, r"was called under torch.jit.trace, which cannot record a leaf function.*Use torch.compile"),
+    (fake_reads_a_float, LeafFunctionError, r"read the value of float argument 'capacity'.*static_argnames=\('capacity',\)"),
+    (unknown_static_argnames, LeafFunctionError, r"static_argnames=\['cap'\], which is not a parameter"),
+    (modules_indistinguishable, LeafFunctionError, r"2 live modules share the tensors of this call, differing in 'scale'.*copy\.deepcopy"),
     (read_and_mutated, LeafFunctionError, r"got the same tensor \(or views of one tensor\) as argument 'x', which it reads, and as argument 'buf', which it mutates in place \(mutates_args\)\. Pass a clone"),
 ]
 
@@ -227,6 +261,7 @@ CASES = [
 # torchleaf's error is at the root of the wrapper's __cause__ chain.
 DYNAMO_WRAPPED = {
     fake_returns_array: torch._dynamo.exc.TorchRuntimeError,
+    fake_reads_a_float: torch._dynamo.exc.TorchRuntimeError,
     opaque_pytree_context: torch._dynamo.exc.InternalTorchDynamoError,
 }
 
