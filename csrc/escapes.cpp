@@ -107,7 +107,7 @@ class CallMembership {
   bool made_here(const Node* fn) const {
     return fn->thread_id() == thread_ &&
         fn->sequence_nr() >= first_sequence_nr_ &&
-        fn->sequence_nr() != UINT64_MAX;
+        fn->sequence_nr() < kInputSinkSequenceNr;
   }
 
  private:

@@ -13,8 +13,14 @@ using torch::autograd::Edge;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-InputSink::InputSink(LeafEntryPtr entry)
-    : Node(/*sequence_nr=*/UINT64_MAX), entry_(std::move(entry)) {}
+InputSink::InputSink(
+    LeafEntryPtr entry,
+    const CapturedState* owner,
+    int64_t index)
+    : Node(kInputSinkSequenceNr),
+      entry_(std::move(entry)),
+      owner_(owner),
+      index_(index) {}
 
 variable_list InputSink::apply(variable_list&& grads) {
   if (active_) {
@@ -68,7 +74,8 @@ at::Tensor sink_alias(
     CapturedState& state,
     const Edge* caller_edge) {
   at::Tensor alias = detached(t);
-  auto sink = torch_private::make_node<InputSink>(state.entry);
+  auto sink = torch_private::make_node<InputSink>(
+      state.entry, &state, static_cast<int64_t>(state.input_edges.size()));
   if (caller_edge != nullptr) {
     sink->set_next_edges({*caller_edge});
   }
@@ -79,16 +86,16 @@ at::Tensor sink_alias(
 }
 
 int64_t sink_index(const CapturedState& state, const Node* node) {
-  for (size_t i = 0; i < state.input_edges.size(); ++i) {
-    if (state.input_edges[i].function.get() == node) {
-      return static_cast<int64_t>(i);
-    }
+  if (node == nullptr || node->sequence_nr() != kInputSinkSequenceNr) {
+    return -1;
   }
-  return -1;
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(
+      dynamic_cast<const InputSink*>(node) != nullptr);
+  const auto* sink = static_cast<const InputSink*>(node);
+  return sink->owner() == &state ? sink->index() : -1;
 }
 
-// PyTorch makes AccumulateGrad nodes (as this file makes its sinks) with
-// sequence number UINT64_MAX, which rules out the body's nodes before a
+// PyTorch makes AccumulateGrad nodes with sequence number UINT64_MAX, which rules out the body's nodes before a
 // dynamic_cast (~370 instructions each). test_autograd.cpp
 // (LeafTensorsMadeInsideAreOutputsNotEscapes) pins it.
 bool is_accumulate_grad(const Node* fn) {

@@ -23,8 +23,21 @@ namespace torchleaf {
 // call succeeded the captured graph's edges to it are rewired to that edge
 // and the sink is activated: it then passes gradients through, for graphs
 // that still reach it through saved inputs (double backward).
+// Input sinks are made with this sequence number (one below AccumulateGrad's
+// UINT64_MAX, which PyTorch gives no other node), so that a graph walk tells
+// a sink from the body's nodes with one load, not a dynamic_cast.
+constexpr uint64_t kInputSinkSequenceNr = UINT64_MAX - 1;
+
 struct InputSink final : public torch::autograd::Node {
-  explicit InputSink(LeafEntryPtr entry);
+  // The sink of input `index` of the call whose graph `owner` holds.
+  InputSink(LeafEntryPtr entry, const CapturedState* owner, int64_t index);
+
+  const CapturedState* owner() const {
+    return owner_;
+  }
+  int64_t index() const {
+    return index_;
+  }
 
   void activate() {
     active_ = true;
@@ -43,6 +56,8 @@ struct InputSink final : public torch::autograd::Node {
 
  private:
   LeafEntryPtr entry_;
+  const CapturedState* owner_;
+  int64_t index_;
   bool active_ = false;
 };
 
@@ -73,8 +88,9 @@ at::Tensor sink_alias(
     CapturedState& state,
     const torch::autograd::Edge* caller_edge = nullptr);
 
-// Index of `node` among the state's input sinks, or -1. Leaf calls have few
-// inputs: a linear scan beats hashing.
+// Index of `node` among the state's input sinks, or -1 (O(1): walks of a
+// call's graph ask it for every edge, and a module argument gives a call
+// hundreds of inputs).
 int64_t sink_index(
     const CapturedState& state,
     const torch::autograd::Node* node);

@@ -36,19 +36,21 @@ _LOCK = threading.RLock()  # (weakref callbacks may run while it is held)
 # The classes of module arguments that compiled calls traced, by name:
 # ModuleStructure names its class, and the search for new modules needs it.
 _CLASSES: dict[tuple[str, str], weakref.WeakSet] = {}
-# Every module torchleaf knows, by class.
-_KNOWN: "weakref.WeakKeyDictionary[type, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+# Every module torchleaf knows, by class, by id (modules are not keys: one
+# may define __eq__ without __hash__).
+_KNOWN: "weakref.WeakKeyDictionary[type, dict]" = weakref.WeakKeyDictionary()
 
 
 class _Entry:
     """A known module and its latest walk (see _modules.ModuleView)."""
 
-    __slots__ = ("ref", "view", "key", "__weakref__")
+    __slots__ = ("ref", "view", "key", "id", "cls", "__weakref__")
 
     def __init__(self, module, view):
         self.ref = weakref.ref(module, functools.partial(_forget, weakref.ref(self)))
         self.view = view
         self.key = data_key(view.tensors)
+        self.id, self.cls = id(module), type(module)
 
 
 def _forget(entry_ref, _):
@@ -58,11 +60,16 @@ def _forget(entry_ref, _):
     if entry is not None:
         with _LOCK:
             _unfile(entry)
+            if _ENTRIES.get(entry.id) is entry:
+                del _ENTRIES[entry.id]
+            known = _KNOWN.get(entry.cls)
+            if known is not None and known.get(entry.id) is entry:
+                del known[entry.id]
 
 
 # data_key -> entries of modules whose first tensor's data is there.
 _BY_KEY: dict[int, list[_Entry]] = {}
-_ENTRIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # module -> _Entry
+_ENTRIES: dict[int, _Entry] = {}  # id(module) -> its entry
 
 
 def _unfile(entry):
@@ -94,14 +101,14 @@ def note_class(cls) -> None:
 
 def remember(module, view=None) -> _Entry:
     """Index a module (an eager call's, a trace's, or one found by a search)."""
-    entry = _ENTRIES.get(module)
-    if entry is None:
+    entry = _ENTRIES.get(id(module))
+    if entry is None or entry.ref() is not module:
         entry = _Entry(module, view if view is not None else ModuleView(module))
         cls = type(module)
         with _LOCK:
-            _ENTRIES[module] = entry
+            _ENTRIES[entry.id] = entry
             _CLASSES.setdefault((cls.__module__, cls.__qualname__), weakref.WeakSet()).add(cls)
-            _KNOWN.setdefault(cls, weakref.WeakSet()).add(module)
+            _KNOWN.setdefault(cls, {})[entry.id] = entry
             if entry.key is not None:
                 _BY_KEY.setdefault(entry.key, []).append(entry)
     return entry
@@ -165,6 +172,13 @@ def _search_for_new_modules(cls) -> None:
     state[0], state[1] = state[1], min(state[1] * 2, 1024)
 
 
+def _known(cls):
+    """The live modules of class ``cls`` that torchleaf knows."""
+    with _LOCK:
+        entries = list(_KNOWN.get(cls, {}).values())
+    return [m for m in (e.ref() for e in entries) if m is not None]
+
+
 def _classes_of(structure):
     with _LOCK:
         return list(_CLASSES.get((structure.cls_module, structure.cls_qualname), ()))
@@ -186,7 +200,7 @@ def _find_slowly(leaf, structure, tensors, key):
     if not found:
         # Known modules whose tensors moved since they were indexed.
         for cls in _classes_of(structure):
-            for module in list(_KNOWN.get(cls, ())):
+            for module in _known(cls):
                 _refresh(remember(module), module)
         found = _candidates(structure, key)
     if not found:
@@ -204,7 +218,7 @@ def _find_slowly(leaf, structure, tensors, key):
     # of the structure runs them, if all agree in their other attributes.
     same = []
     for cls in _classes_of(structure):
-        for module in list(_KNOWN.get(cls, ())):
+        for module in _known(cls):
             entry = remember(module)
             _refresh(entry, module)
             if entry.view.structure == structure:
@@ -279,7 +293,7 @@ def of_structure(leaf, structure, tensors):
                         remember(obj)
         fallback = None
         for cls in _classes_of(structure):
-            for module in list(_KNOWN.get(cls, ())):
+            for module in _known(cls):
                 entry = remember(module)
                 _refresh(entry, module)
                 if entry.view.structure != structure:
