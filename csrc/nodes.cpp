@@ -95,9 +95,9 @@ int64_t sink_index(const CapturedState& state, const Node* node) {
   return sink->owner() == &state ? sink->index() : -1;
 }
 
-// PyTorch makes AccumulateGrad nodes with sequence number UINT64_MAX, which rules out the body's nodes before a
-// dynamic_cast (~370 instructions each). test_autograd.cpp
-// (LeafTensorsMadeInsideAreOutputsNotEscapes) pins it.
+// PyTorch makes AccumulateGrad nodes with sequence number UINT64_MAX, which
+// rules out the body's nodes before a dynamic_cast (~370 instructions each).
+// test_autograd.cpp (LeafTensorsMadeInsideAreOutputsNotEscapes) pins it.
 bool is_accumulate_grad(const Node* fn) {
   return fn != nullptr && fn->sequence_nr() == UINT64_MAX &&
       dynamic_cast<const torch_private::AccumulateGrad*>(fn) != nullptr;

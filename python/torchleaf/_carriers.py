@@ -35,6 +35,9 @@ class StandInFloat(float):
     value in (static_argnames), instead of letting a size computed from the
     stand-in 1.0 fail later as a wrong fake."""
 
+    leaf_name: str
+    argument: str
+
     def __new__(cls, leaf_name, argument, value=1.0):
         self = super().__new__(cls, value)
         self.leaf_name, self.argument = leaf_name, argument

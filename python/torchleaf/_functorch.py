@@ -39,7 +39,7 @@ from ._torch_private import pytree
 LEAVES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def _leaf_name(leaf_id):
+def leaf_name(leaf_id):
     leaf = LEAVES.get(leaf_id)
     if leaf is not None:
         return leaf._name
@@ -179,7 +179,7 @@ def _vmap_call_mutating(info, in_dims, leaf, plan, inputs, mutated):
             return torch.ops.torchleaf.call(leaf, plan, i)
     ordered, token_in = _ordered(leaf, plan, inputs)
     outputs, dims, _ = _loop(
-        _leaf_name(leaf), info, call, list(inputs), in_d, mutated, mut_d,
+        leaf_name(leaf), info, call, list(inputs), in_d, mutated, mut_d,
         ordered, python_leaf is not None, token_in=token_in,
     )
     return outputs, dims
@@ -220,7 +220,7 @@ def _forward_loop(info, in_dims, leaf, plan, inputs, mutated, mutated_dims, call
     """The per-sample loop of a forward variant, whose `call` returns the
     outputs, the state handle, then `n_updated` new values of mutable inputs:
     (outputs, out dims, one state handle batched at 0, updated values)."""
-    name = _leaf_name(leaf)
+    name = leaf_name(leaf)
     ordered, token_in = _ordered(leaf, plan, inputs)
     outputs, dims, tails = _loop(
         name, info, call, list(inputs), _dims(in_dims, 2), list(mutated), mutated_dims,
@@ -244,8 +244,8 @@ def _vmap_backward(info, in_dims, leaf, state, grads, input_meta):
             )
         )
     if not per_sample:
-        raise _error(_leaf_name(leaf), "is differentiated under vmap with a batch of size 0.")
-    outputs = _stack(_leaf_name(leaf), per_sample)
+        raise _error(leaf_name(leaf), "is differentiated under vmap with a batch of size 0.")
+    outputs = _stack(leaf_name(leaf), per_sample)
     return outputs, [0] * len(outputs)
 
 

@@ -81,6 +81,8 @@ def _install_inductor_lowerings():
             args = _copy_inputs_written_later(args, inputs_at, clone)
             first = len(V.graph.operations)
             result = fallback(*args, **kwargs)
+            if op_at is None:
+                _name_the_leaf_in_asserts(V.graph.operations[first:], ir, args[0] if args else None)
             for operation in V.graph.operations[first:]:
                 if isinstance(operation, ir.FallbackKernel):
                     for buffer in operation.inputs:
@@ -103,6 +105,7 @@ def _install_inductor_lowerings():
         def unchecked_token(*args, **kwargs):
             first = len(V.graph.operations)
             result = fallback(*args, **kwargs)
+            _name_the_leaf_in_asserts(V.graph.operations[first:], ir, args[0] if args else None)
             for operation in V.graph.operations[first:]:
                 if _is_order_token(operation, ir):
                     _skip_size_check(operation)
@@ -199,6 +202,25 @@ def _is_output(operation, ir, index):
     ):
         return False
     return index is None or (len(operation.indices) == 1 and operation.indices[0][1] == index)
+
+
+def _name_the_leaf_in_asserts(operations, ir, leaf_id):
+    """Inductor asserts each output's size and stride as the fake gave them
+    ("expected size 6==7 ... Error in op: <op> ... Use torch.library.opcheck"),
+    where a fake is wrong only for some sizes (a symbolic expression that
+    holds for even sizes only). The op it names is torchleaf's: the leaf
+    and the fix are named instead."""
+    if type(leaf_id) is not int:
+        return
+    from ._functorch import leaf_name
+
+    label = (
+        f"torchleaf leaf function '{leaf_name(leaf_id)}': its real function returned another size "
+        f"or stride than its fake implementation (register_fake) gave for these inputs; fix the fake"
+    )
+    for operation in operations:
+        if _is_output(operation, ir, None):
+            operation.get_op_name = lambda label=label: label
 
 
 def _is_order_token(operation, ir):

@@ -56,15 +56,17 @@ class _Entry:
 def _forget(entry_ref, _):
     # (The entry weakly: a cycle through the callback would keep the
     # module's tensors, which its view holds, until a later collection.)
-    entry = entry_ref()
-    if entry is not None:
-        with _LOCK:
-            _unfile(entry)
-            if _ENTRIES.get(entry.id) is entry:
-                del _ENTRIES[entry.id]
-            known = _KNOWN.get(entry.cls)
-            if known is not None and known.get(entry.id) is entry:
-                del known[entry.id]
+    entry: Optional[_Entry] = entry_ref()
+    if entry is None:
+        return
+    entry_id = entry.id
+    with _LOCK:
+        _unfile(entry)
+        if _ENTRIES.get(entry_id) is entry:
+            del _ENTRIES[entry_id]
+        known = _KNOWN.get(entry.cls)
+        if known is not None and known.get(entry_id) is entry:
+            del known[entry_id]
 
 
 # data_key -> entries of modules whose first tensor's data is there.
@@ -134,7 +136,7 @@ def find(leaf, structure: ModuleStructure, tensors) -> tuple:
     call's ``tensors`` are (its own, or aliases of them)."""
     # (The first tensor's address, as data_key gives it, inline: this runs
     # for each module argument of each compiled call.)
-    key = tensors[0].data_ptr() if tensors and type(tensors[0]) is _Tensor else 0
+    key: Optional[int] = tensors[0].data_ptr() if tensors and type(tensors[0]) is _Tensor else 0
     if key:
         entries = _BY_KEY.get(key)
         if entries is not None and len(entries) == 1:
@@ -284,14 +286,17 @@ def _first_difference(a, b) -> Optional[str]:
 def of_structure(leaf, structure, tensors):
     """A live module that has ``structure`` now, preferring one whose tensors
     have the shapes of ``tensors``: what a fake runs on (fake tensors say
-    nothing of which module they stand for)."""
+    nothing of which module they stand for). Modules of one structure may
+    differ in their settings (every nn.Linear has the structure of every
+    other): a module with the call's shapes is looked for among all live
+    ones before any other is taken."""
+    fallback = None
     for searched in (False, True):
         if searched:
             for cls in _classes_of(structure):
                 for obj in gc.get_referrers(cls):
                     if type(obj) is cls:
                         remember(obj)
-        fallback = None
         for cls in _classes_of(structure):
             for module in _known(cls):
                 entry = remember(module)
@@ -302,8 +307,8 @@ def of_structure(leaf, structure, tensors):
                     return module
                 if fallback is None:
                     fallback = module
-        if fallback is not None:
-            return fallback
+    if fallback is not None:
+        return fallback
     raise LeafFunctionError(
         f"torchleaf: leaf function '{leaf._name}' was traced with a {structure.cls_qualname} argument, "
         f"but no module of that structure (parameters and buffers {list(structure.names)}) is "

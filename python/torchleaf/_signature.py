@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from . import _carriers as carriers
+from . import _module_index
 from . import _outputs as outputs
 from ._errors import LeafFunctionError
-from . import _module_index
 from ._modules import ModuleStructure, interned, module_by_handle
 from ._torch_private import pytree
 
@@ -603,7 +603,7 @@ class Signature:
         if isinstance(static_argnames, str):
             static_argnames = (static_argnames,)
         self.static_argnames = frozenset(static_argnames)
-        unknown = self.static_argnames - set(self.parameters.parameters if self.parameters else ())
+        unknown = set(self.static_argnames) - set(self.parameters.parameters if self.parameters else ())
         if unknown:
             raise LeafFunctionError(
                 f"torchleaf: leaf function '{name}' declares static_argnames={sorted(unknown)}, "
@@ -619,7 +619,8 @@ class Signature:
         """The flat positions of a call's arguments that static_argnames
         names: ``n_args`` positional arguments and ``kwarg_names``, holding
         ``leaves_per_argument`` flat leaves each, in that order."""
-        static, start = set(), 0
+        static: set[int] = set()
+        start = 0
         names = [self._positional_names[i] if i < len(self._positional_names) else None for i in range(n_args)]
         for name, n in zip([*names, *kwarg_names], leaves_per_argument):
             if name in self.static_argnames:

@@ -136,8 +136,7 @@ TEST(Autograd, UnusedInputGetsNoGradientAndIntegerOutputsAreNotDifferentiable) {
       /*allow_unused=*/true);
   EXPECT_TRUE(torch::allclose(g[0], torch::full({3}, 2.0)));
   EXPECT_FALSE(g[1].defined());
-  EXPECT_THROW(
-      torch::autograd::grad({out[0].sum()}, {x, unused}), c10::Error);
+  EXPECT_THROW(torch::autograd::grad({out[0].sum()}, {x, unused}), c10::Error);
 }
 
 TEST(Autograd, EagerCallsKeepNoState) {

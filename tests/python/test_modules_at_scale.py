@@ -241,3 +241,20 @@ def test_inductor_compiles_no_kernel_per_module():
 
     assert kernels(2) == kernels(8)
     assert kernels(8)[1] == 0
+
+
+def test_a_fresh_modules_fake_runs_on_a_module_of_its_shapes():
+    """Every nn.Linear has one structure (weight, bias); a fake that reads a
+    setting (out_features) must run on a module with the call's shapes,
+    also when the only other Linear torchleaf knows is another size and the
+    call's module is fresh (a DDP copy in a tutorial got the other one's
+    out_features and a wrong output shape)."""
+    torch._dynamo.reset()
+    project = torchleaf.leaf_function(lambda h, head: head(h))
+    project.register_fake(lambda h, head: h.new_empty(h.shape[0], head.out_features))
+    seen = nn.Linear(8, 8)
+    project(torch.randn(2, 8), seen)  # known, other shapes
+    fresh = nn.Linear(32, 3)
+    f = torch.compile(lambda h, head: project(h, head), backend="aot_eager", fullgraph=True)
+    h = torch.randn(2, 32)
+    torch.testing.assert_close(f(h, fresh), fresh(h))

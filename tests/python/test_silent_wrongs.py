@@ -286,3 +286,25 @@ def test_a_fake_returning_a_symbolic_bool_says_what_to_do():
     # (Raised while Dynamo runs the fake, inside its TorchRuntimeError.)
     with pytest.raises(Exception, match=r"leaf function '.*long_enough' returned a SymBool as output\[1\].*0-d tensor"):
         g(torch.ones(3))
+
+
+@pytest.mark.slow
+def test_inductors_size_assert_names_the_leaf():
+    """A fake wrong only for some sizes (right for even lengths): under
+    Inductor with dynamic shapes, Inductor's own size assert of the output
+    fires first, and said "Error in op: torch.ops.torchleaf...call.default
+    ... Use torch.library.opcheck", naming no leaf."""
+    torch._dynamo.reset()
+
+    @torchleaf.leaf_function
+    def double(x):
+        return x * 2
+
+    @double.register_fake
+    def _(x):
+        return x.new_empty((x.shape[0] // 2) * 2)  # wrong for odd lengths
+
+    f = torch.compile(lambda x: double(x) + 1, backend="inductor", dynamic=True, fullgraph=True)
+    torch.testing.assert_close(f(torch.ones(6)), torch.full((6,), 3.0))
+    with pytest.raises(AssertionError, match=r"torchleaf leaf function '.*double'.*fix the fake"):
+        f(torch.ones(7))
