@@ -76,7 +76,8 @@ MATRIX_BUILD_DIR = build/py-$(TORCH)
 MATRIX_QUICK_TESTS := tests/python/test_torch_version.py tests/python/test_stubs.py \
   tests/python/test_private_apis.py tests/python/test_operator_entries.py tests/python/test_compile.py \
   tests/python/test_values.py tests/python/test_leaf.py tests/python/test_autograd.py \
-  tests/python/test_errors.py tests/python/test_replay.py tests/python/test_seam.py
+  tests/python/test_errors.py tests/python/test_replay.py tests/python/test_seam.py \
+  tests/python/test_modules_at_scale.py
 
 test-matrix: deps-system
 	@test -n "$(TORCH)" || { echo "usage: make test-matrix TORCH=<release, e.g. 2.15.0> [TESTS=...] [MATRIX_VENV=...]"; exit 2; }

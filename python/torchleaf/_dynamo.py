@@ -55,6 +55,7 @@ from ._torch_private import (
     current_dynamo_output_graph,
     dynamo_traces_a_subgraph,
     functorch,
+    is_exporting,
     pytree,
 )
 
@@ -71,7 +72,7 @@ _ORDER_TOKEN = torch.empty(0, dtype=torch.int64)
 # Dynamo guards each global that traced code reads, and each attribute on
 # the way, on every call of a compiled frame: one global each instead of
 # torch.compiler.is_exporting's chain and torch.ops.torchleaf.call's four.
-_is_exporting = torch.compiler.is_exporting
+_is_exporting = is_exporting
 _CALL = torch.ops.torchleaf.call.default
 _CALL_MUTATING = torch.ops.torchleaf.call_mutating.default
 
@@ -259,7 +260,7 @@ def _positional_call_site(leaf, n):
     every global and attribute that traced code reads, on every call of the
     compiled frame; one constant function, and no pytree call or leaf
     attribute read in traced code, keep those guards few."""
-    if leaf._signature.mutates_args or torch.compiler.is_exporting():
+    if leaf._signature.mutates_args or is_exporting():
         return None
     plan = _positional_plan(leaf, n)
     return (leaf._id, plan.index, *_order_decisions(False))

@@ -53,7 +53,7 @@ from ._signature import (
     positional_spec,
     split_module_tensors,
 )
-from ._torch_private import dynamo_is_tracing, pytree
+from ._torch_private import dynamo_is_tracing, is_exporting, pytree
 
 # Arguments that are pytree leaves, besides tensors and modules.
 _SCALARS = frozenset((int, float, bool, str, type(None)))
@@ -328,7 +328,7 @@ class LeafFunction:
         if result is not None:
             outputs, desc = result
             return decode(desc, outputs)
-        if torch.compiler.is_exporting():
+        if is_exporting():
             return _export.exported_call(self, flat, spec)
         self._check_no_sharded_modules(flat)
         plan, inputs, mutated, _ = self._plan_for(flat, spec, traced=True)

@@ -99,6 +99,19 @@ EffectType = _EffectType
 OP_OVERLOAD_HASHES_BY_OP: bool = TORCH_VERSION < (2, 14)
 
 
+if TORCH_VERSION >= (2, 12):
+    is_exporting = torch.compiler.is_exporting
+else:
+
+    def is_exporting() -> bool:
+        """Whether torch.export traces now. Dynamo before 2.12 folds
+        torch.compiler.is_exporting() to True in every trace, torch.compile's
+        included (a compiled leaf call took the exported path and asked for
+        an operator name); the flag it returns outside Dynamo is torch.export's
+        alone, and Dynamo reads a module attribute as it is."""
+        return torch.compiler._is_exporting_flag
+
+
 def set_op_overload_entry(overload: Any, make_entry: Callable[[Any], Any]) -> None:
     """Replace the C++ callable an OpOverload calls (its ``_op``; every
     release calls it from ``__call__``) by ``make_entry(current)``. Where
@@ -184,6 +197,7 @@ __all__ = [
     "inductor_is_imported",
     "inductor_is_lowering",
     "is_any_autocast_enabled",
+    "is_exporting",
     "pytree",
     "register_effectful_op",
     "reparametrize_module",

@@ -36,3 +36,27 @@ def test_a_pre_release_is_its_release():
     torchleaf._check_torch_version("2.15.0", "2.15.0a0+git5c48869")
     with pytest.raises(ImportError):
         torchleaf._check_torch_version("2.15.0", "2.16.0.dev20260101+cpu")
+
+
+def test_a_compiled_call_is_not_an_exported_one():
+    """torch.compile is not torch.export: a compiled call of an unnamed leaf
+    runs (on 2.11, whose Dynamo answers torch.compiler.is_exporting() with
+    True in every trace, it took the exported path and asked for a name),
+    and torch.export still knows it exports."""
+    import torchleaf
+    from torchleaf._torch_private import is_exporting
+
+    leaf = torchleaf.leaf_function(lambda x: x * 2)
+    leaf.register_fake(torch.empty_like)
+    x = torch.ones(3)
+    torch.testing.assert_close(torch.compile(lambda x: leaf(x), backend="eager", fullgraph=True)(x), x * 2)
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append(is_exporting())
+            return x + 1
+
+    torch.export.export(Probe(), (x,))
+    assert seen and all(seen)
+    assert not is_exporting()
