@@ -98,7 +98,9 @@ def _install_inductor_lowerings():
 
         lowering.lowerings[target] = keep_inputs
 
-    def skip_check_of_order_token(target):
+    def check_call_outputs_as_the_leaf(target):
+        """The lowering of a non-capturing call (call, call_mutating): its
+        outputs' asserts name the leaf; its order token has none."""
         fallback = lowering.lowerings[target]
 
         @functools.wraps(fallback)
@@ -172,7 +174,7 @@ def _install_inductor_lowerings():
         wrap(op, inputs_at=2)
     for op in (torch.ops.torchleaf.call.default, torch.ops.torchleaf.call_mutating.default):
         ensure_fallback(op)
-        skip_check_of_order_token(op)
+        check_call_outputs_as_the_leaf(op)
     ensure_fallback(torch.ops.torchleaf.backward.default)
     skip_checks_of_backward(torch.ops.torchleaf.backward.default)
     ensure_fallback(torch.ops.torchleaf.check_carried_int.default)

@@ -13,8 +13,9 @@ it does not know yet (built or loaded after the last compile, never called
 eagerly) is looked for among the live instances of its class, once per
 batch of new modules. Where the call's tensors are no module's own
 (torch.func.functional_call under compile) any module of the structure
-serves, provided all of them agree in every attribute other than their
-tensors; otherwise the call fails with an error that says what to do.
+serves, provided all live ones agree in every attribute other than their
+tensors (a search on every such call, with a warning the first time);
+otherwise the call fails with an error that says what to do.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 import gc
 import threading
+import warnings
 import weakref
 from typing import Optional
 
@@ -155,23 +157,17 @@ def find(leaf, structure: ModuleStructure, tensors) -> tuple:
     return _find_slowly(leaf, structure, tensors, key)
 
 
-# A search of all live objects for new modules of a class takes ~30 ms in a
-# process with torch loaded. It runs when a call's module is not found; where
-# that keeps happening without the search finding it (tensors that are no
-# module's own), it runs after 1, 2, 4, ... further misses, at most every
-# 1024, so that its cost stays a vanishing share of the calls.
-_SEARCH_BACKOFF: dict[type, list[int]] = {}  # class -> [misses to skip, next backoff]
-
-
 def _search_for_new_modules(cls) -> None:
-    state = _SEARCH_BACKOFF.setdefault(cls, [0, 1])
-    if state[0] > 0:
-        state[0] -= 1
-        return
-    for obj in gc.get_referrers(cls):  # instances of a Python class refer to it
+    """Index every live instance of ``cls`` (instances of a Python class
+    refer to it): ~30 ms in a process with torch loaded, run when a call's
+    module is not found."""
+    for obj in gc.get_referrers(cls):
         if type(obj) is cls:
             remember(obj)
-    state[0], state[1] = state[1], min(state[1] * 2, 1024)
+
+
+# Classes whose calls found no module owning their tensors (warned once).
+_WARNED_UNOWNED: "weakref.WeakSet[type]" = weakref.WeakSet()
 
 
 def _known(cls):
@@ -209,15 +205,13 @@ def _find_slowly(leaf, structure, tensors, key):
         for cls in _classes_of(structure):
             _search_for_new_modules(cls)
         found = _candidates(structure, key)
-        if found:
-            for cls in _classes_of(structure):
-                _SEARCH_BACKOFF.pop(cls, None)  # found: the next new module is searched for at once
     if len(found) == 1:
         return found[0]
     if found:  # modules sharing every tensor (a shallow copy and its original)
         return _one_of(leaf, structure, found, "share the tensors of this call")
     # The call's tensors are no module's own (functional_call): any module
-    # of the structure runs them, if all agree in their other attributes.
+    # of the structure runs them, if all live ones (the search above found
+    # them all) agree in their other attributes.
     same = []
     for cls in _classes_of(structure):
         for module in _known(cls):
@@ -226,7 +220,19 @@ def _find_slowly(leaf, structure, tensors, key):
             if entry.view.structure == structure:
                 same.append((module, entry.view))
     if same:
-        return _one_of(leaf, structure, same, "have this call's structure, and its tensors are none of theirs")
+        module, view = _one_of(leaf, structure, same, "have this call's structure, and its tensors are none of theirs")
+        if type(module) not in _WARNED_UNOWNED:
+            _WARNED_UNOWNED.add(type(module))
+            warnings.warn(
+                f"torchleaf: leaf function '{leaf._name}' was compiled with a {structure.cls_qualname} "
+                f"argument whose tensors are no live module's own (torch.func.functional_call under "
+                f"torch.compile?). It runs on a {structure.cls_qualname} of the same structure and "
+                f"settings, found by searching all live objects on every such call (~30 ms). Pass "
+                f"the tensors as arguments of the leaf, or call functional_call outside the compiled "
+                f"region, to avoid that.",
+                stacklevel=2,
+            )
+        return module, view
     raise LeafFunctionError(
         f"torchleaf: leaf function '{leaf._name}' was compiled with a {structure.cls_qualname} argument, "
         f"and torchleaf finds no live {structure.cls_qualname} to run it on: a compiled call finds its "

@@ -258,3 +258,30 @@ def test_a_fresh_modules_fake_runs_on_a_module_of_its_shapes():
     f = torch.compile(lambda h, head: project(h, head), backend="aot_eager", fullgraph=True)
     h = torch.randn(2, 32)
     torch.testing.assert_close(f(h, fresh), fresh(h))
+
+
+def test_compiled_functional_call_runs_on_the_calls_tensors():
+    """torch.func.functional_call under torch.compile: the leaf's module gets
+    tensors that are no module's own; it runs on a module of the structure
+    with the call's tensors (all live ones agreeing), and says once that
+    such calls search for it."""
+    from torch.func import functional_call
+
+    torch._dynamo.reset()
+    leaf = torchleaf.leaf_function(lambda m, x: m(x))
+    leaf.register_fake(lambda m, x: x.new_empty(x.shape[0], 3))
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return leaf(self.lin, x)
+
+    head, x = Head(), torch.randn(2, 4)
+    params = {k: v * 2 for k, v in head.named_parameters()}
+    f = torch.compile(lambda p, x: functional_call(head, p, (x,)), backend="aot_eager", fullgraph=True)
+    with pytest.warns(UserWarning, match=r"whose tensors are no live module's own \(torch.func.functional_call"):
+        out = f(params, x)
+    torch.testing.assert_close(out, x @ params["lin.weight"].T + params["lin.bias"])
