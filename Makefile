@@ -84,8 +84,8 @@ test-matrix: deps-system
 	@test -x $(MATRIX_PYTHON) || $(PYTHON) -m venv $(MATRIX_VENV)
 	@$(MATRIX_PYTHON) -c "import torch; assert torch.__version__.split('+')[0] == '$(TORCH)'" 2>/dev/null || \
 	  $(MATRIX_PIP) "torch==$(TORCH)" 2>/dev/null || PIP_CONSTRAINT=/dev/null $(MATRIX_PIP) "torch==$(TORCH)"
-	@$(MATRIX_PYTHON) -c "import pybind11, scikit_build_core, ninja, cmake, pytest, pytest_randomly, hypothesis, numpy" \
-	  2>/dev/null || $(MATRIX_PIP) $(BUILD_DEPS) $(TEST_DEPS)
+	@$(MATRIX_PYTHON) -c "import pybind11, scikit_build_core, ninja, cmake, pytest, pytest_randomly, hypothesis, numpy, matplotlib" \
+	  2>/dev/null || $(MATRIX_PIP) $(BUILD_DEPS) $(TEST_DEPS) matplotlib
 	$(MATRIX_PIP) --no-build-isolation --no-deps -e . -C build-dir=$(MATRIX_BUILD_DIR)
 	@$(MATRIX_PYTHON) -c "import torch, torchleaf; print('torch', torch.__version__, '- torchleaf built against', torchleaf._C.BUILT_TORCH_VERSION)"
 	@rc=0; \
