@@ -22,6 +22,7 @@ from torch import nn
 from . import _carriers as carriers
 from . import _export
 from ._errors import LeafFunctionError
+from ._live_leaves import leaf_of
 from ._module_index import note_class
 from ._modules import HANDLE_ATTR, ModuleHandle, ModuleStructure, module_state, sight_module
 from ._outputs import traced_output, traced_result
@@ -51,6 +52,7 @@ from ._signature import (
     split_module_tensors,
 )
 from ._torch_private import (
+    CONSTANT_FUNCTIONS_TAKE_OBJECTS,
     assume_constant_result,
     current_dynamo_output_graph,
     dynamo_traces_a_subgraph,
@@ -95,6 +97,7 @@ def check_read_and_mutated(leaf, flat, slots, mutated_positions, plan_index):
 
 @assume_constant_result  # raises at trace time
 def _refuse_read_and_mutated(leaf, plan_index, read, mutated):
+    leaf = leaf_of(leaf)
     spec = leaf._plans[plan_index].spec
     read, mutated = leaf._signature.argument_at(spec, read), leaf._signature.argument_at(spec, mutated)
     raise LeafFunctionError(
@@ -119,6 +122,7 @@ _COMPILED_REFUSALS = {
 
 @assume_constant_result  # raises at trace time
 def _refuse_compiled_argument(leaf, kind, type_name):
+    leaf = leaf_of(leaf)
     raise LeafFunctionError(
         f"torchleaf: leaf function '{leaf._name}' got a {type_name} argument {_COMPILED_REFUSALS[kind]}"
     )
@@ -217,6 +221,7 @@ def _intern_for_compile(leaf, skeleton, structures, *objects):
     _SHARED_MODULE) and the int markers at the leaves; ``structures``: (class,
     names, aliases, n_params) per module; ``objects``:
     one per (_OBJECT, index) leaf."""
+    leaf = leaf_of(leaf)
     flat: list = []
     spec = _unnest(leaf, skeleton, flat, skeleton)
     modules = []
@@ -260,6 +265,7 @@ def _positional_call_site(leaf, n):
     every global and attribute that traced code reads, on every call of the
     compiled frame; one constant function, and no pytree call or leaf
     attribute read in traced code, keep those guards few."""
+    leaf = leaf_of(leaf)
     if leaf._signature.mutates_args or is_exporting():
         return None
     plan = _positional_plan(leaf, n)
@@ -341,6 +347,7 @@ def _count_leaves(nested):
 def _static_positions(leaf, nested):
     """The flat positions of a compiled call's arguments that the leaf's
     static_argnames name (``nested``: the call's _flatten_traced structure)."""
+    leaf = leaf_of(leaf)
     if not leaf._signature.static_argnames:
         return ()
     args, kwargs = nested[3]
@@ -365,6 +372,9 @@ def compiled_call(leaf, args, kwargs):
     call's tensors (module tensors and handles included) and carried ints
     and floats baked into the plan as constants."""
     global _ORDER_TOKEN
+    # (The id where the release cannot pass the leaf; operator.index keeps
+    # Dynamo from making an int attribute symbolic.)
+    leaf_arg = leaf if CONSTANT_FUNCTIONS_TAKE_OBJECTS else operator.index(leaf._id)
     if not kwargs:
         n = 0  # (counted here: len() would be one more guarded global)
         for a in args:
@@ -372,7 +382,7 @@ def compiled_call(leaf, args, kwargs):
                 break
             n += 1
         else:
-            site = _positional_call_site(leaf, n)
+            site = _positional_call_site(leaf_arg, n)
             if site is not None:
                 # As below (see the order token there), without a pytree.
                 leaf_id, plan_index, takes_token, stores_token = site
@@ -380,13 +390,13 @@ def compiled_call(leaf, args, kwargs):
                 outputs = _CALL(leaf_id, plan_index, inputs)
                 if stores_token:
                     _ORDER_TOKEN = outputs[-1]
-                traced = traced_output(leaf, plan_index)
+                traced = traced_output(leaf_arg, plan_index)
                 return outputs[0] if traced is None else traced_result(leaf, traced, outputs)
     if _is_exporting():
         return _export.exported_call(leaf, *pytree.tree_flatten((args, kwargs)))
     flat: list = []
     nested = _flatten_traced((args, kwargs), flat)
-    static = _static_positions(leaf, nested)
+    static = _static_positions(leaf_arg, nested)
     skeleton: list = []
     structures = []
     objects: list = []
@@ -401,7 +411,7 @@ def compiled_call(leaf, args, kwargs):
         elif kind == MODULE_ARG:
             cls = type(x)
             if _sharded_on_its_own(cls):
-                _refuse_compiled_argument(leaf, "fsdp", cls.__name__)
+                _refuse_compiled_argument(leaf_arg, "fsdp", cls.__name__)
             names, aliases, n_params, tensors = module_state(x)
             # The graph finds the module by its tensors when it runs
             # (_module_index), so nothing here reads the module's identity:
@@ -430,7 +440,7 @@ def compiled_call(leaf, args, kwargs):
         elif kind == CONSTANT_ARG:
             skeleton.append(x)
         elif kind == ITERATOR_ARG:
-            _refuse_compiled_argument(leaf, "iterator", type(x).__name__)
+            _refuse_compiled_argument(leaf_arg, "iterator", type(x).__name__)
         else:
             # Any other object (an enum, a config object): Dynamo passes it
             # to a constant function as an argument of its own (guarded on
@@ -438,10 +448,10 @@ def compiled_call(leaf, args, kwargs):
             skeleton.append((_OBJECT, len(objects)))
             objects.append(x)
     leaf_id, plan_index, slots, mutated_positions = _intern_for_compile(
-        leaf, _fill(nested, iter(skeleton)), tuple(structures), *objects
+        leaf_arg, _fill(nested, iter(skeleton)), tuple(structures), *objects
     )
     if mutated_positions:
-        check_read_and_mutated(leaf, flat, slots, mutated_positions, plan_index)
+        check_read_and_mutated(leaf_arg, flat, slots, mutated_positions, plan_index)
     inputs = []
     mutable_buffers: list = []
     handles = []
@@ -471,7 +481,7 @@ def compiled_call(leaf, args, kwargs):
     # torch.cond) Dynamo refuses stores to outside state: there calls
     # take the token but return theirs unused, ordered by graph order.
     mutated = [flat[pos] for pos in mutated_positions] + mutable_buffers
-    takes_token, stores_token = _order_decisions(bool(mutated))
+    takes_token, stores_token = _order_decisions(len(mutated) != 0)  # (2.11 cannot trace bool(list))
     if takes_token:
         inputs.append(_ORDER_TOKEN)
     if mutated:
@@ -480,5 +490,5 @@ def compiled_call(leaf, args, kwargs):
         outputs = _CALL(leaf_id, plan_index, inputs)
     if stores_token:
         _ORDER_TOKEN = outputs[-1]
-    traced = traced_output(leaf, plan_index)
+    traced = traced_output(leaf_arg, plan_index)
     return outputs[0] if traced is None else traced_result(leaf, traced, outputs)

@@ -23,20 +23,17 @@ vmap without a gradient transform inside the vmap (``vmap(f)``,
 its backward must replay per-sample graphs.
 """
 
-import weakref
 
 import torch
 
 from . import _C
 from . import _outputs as outputs
 from ._errors import LeafFunctionError, add_note
+from ._live_leaves import LEAVES  # Python leaves by id (their names, plans and vmap rules)
 from ._runner import invoke, invoke_compiled
 from ._signature import IN_TENSOR, MODULE_KINDS
 from ._torch_private import functorch as _functorch
 from ._torch_private import pytree
-
-# Python leaves by id (for their names, plans and vmap rules); weak.
-LEAVES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def leaf_name(leaf_id):

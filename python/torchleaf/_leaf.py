@@ -31,6 +31,7 @@ from torch import nn
 
 from . import _C, _dynamo, _export, _functorch, _runner
 from ._errors import LeafFunctionError, function_name
+from ._live_leaves import LEAVES
 from ._module_index import remember as remember_module
 from ._modules import ModuleView, _unbound_handle, handle_of, modules_lock, own_handle
 from ._modules import module_view as _module_view
@@ -141,7 +142,7 @@ class LeafFunction:
             self._named_op = register_named_python_leaf(name, bool(self._mutates_args), _export.named_fake)
             _export.NAMED[name] = self
         self._vmap_rule = None  # set by register_vmap
-        _functorch.LEAVES[self._id] = self
+        LEAVES[self._id] = self
 
     def register_vmap(self, rule):
         """Set the leaf's batching rule for ``torch.func.vmap``.

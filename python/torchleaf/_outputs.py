@@ -17,6 +17,7 @@ import torch
 
 from . import _carriers as carriers
 from ._errors import LeafFunctionError, function_name
+from ._live_leaves import leaf_of
 from ._torch_private import assume_constant_result, pytree, statically_known_true
 
 _Tensor = torch.Tensor
@@ -424,7 +425,7 @@ def traced_output(leaf, plan_index):
     this trace ran the fake); None for a single tensor with static sizes,
     which traced code returns as it is (no guards on decode or the checks).
     A constant of the graph: called by Dynamo at trace time."""
-    plan = leaf._plans[plan_index]
+    plan = leaf_of(leaf)._plans[plan_index]
     if plan.out is SINGLE and not plan.out_checks:
         return None
     return plan.out, plan.out_checks

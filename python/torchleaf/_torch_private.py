@@ -99,6 +99,12 @@ EffectType = _EffectType
 OP_OVERLOAD_HASHES_BY_OP: bool = TORCH_VERSION < (2, 14)
 
 
+#: Whether Dynamo passes any object torchleaf hands an assume_constant_result
+#: function (2.13 does). 2.11's refuses a LeafFunction that the trace did not
+#: reach by a global name (a leaf compiled itself, one bound to an instance:
+#: AsPythonConstantNotImplementedError); there such functions get its id.
+CONSTANT_FUNCTIONS_TAKE_OBJECTS: bool = TORCH_VERSION >= (2, 13)
+
 if TORCH_VERSION >= (2, 12):
     is_exporting = torch.compiler.is_exporting
 else:
@@ -183,6 +189,7 @@ def inductor() -> types.SimpleNamespace:
 
 __all__ = [
     "CHECKPOINT_PACK_HOOKS",
+    "CONSTANT_FUNCTIONS_TAKE_OBJECTS",
     "EffectType",
     "OP_OVERLOAD_HASHES_BY_OP",
     "TORCH_VERSION",
