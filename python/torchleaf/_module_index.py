@@ -98,7 +98,9 @@ def data_key(tensors) -> Optional[int]:
 
 
 def note_class(cls) -> None:
-    """Called at trace time with the class of a module argument."""
+    """Called at trace time with the class of a module argument (and for
+    every module indexed): what searches for new modules of a structure
+    look for."""
     with _LOCK:
         _CLASSES.setdefault((cls.__module__, cls.__qualname__), weakref.WeakSet()).add(cls)
 
@@ -109,9 +111,9 @@ def remember(module, view=None) -> _Entry:
     if entry is None or entry.ref() is not module:
         entry = _Entry(module, view if view is not None else ModuleView(module))
         cls = type(module)
+        note_class(cls)
         with _LOCK:
             _ENTRIES[entry.id] = entry
-            _CLASSES.setdefault((cls.__module__, cls.__qualname__), weakref.WeakSet()).add(cls)
             _KNOWN.setdefault(cls, {})[entry.id] = entry
             if entry.key is not None:
                 _BY_KEY.setdefault(entry.key, []).append(entry)
@@ -146,10 +148,14 @@ def find(leaf, structure: ModuleStructure, tensors) -> tuple:
             module = entry.ref()
             if module is not None:
                 view = entry.view
+                # (The last tensor too: a module that ties only its first
+                # tensor to this one's, say a shared embedding, is another.)
                 if (
                     view.unchanged(module)
                     and (view.structure is structure or view.structure == structure)
                     and view.tensors[0].data_ptr() == key
+                    and type(tensors[-1]) is _Tensor
+                    and view.tensors[len(tensors) - 1].data_ptr() == tensors[-1].data_ptr()
                 ):
                     return module, view
     else:
@@ -166,8 +172,9 @@ def _search_for_new_modules(cls) -> None:
             remember(obj)
 
 
-# Classes whose calls found no module owning their tensors (warned once).
-_WARNED_UNOWNED: "weakref.WeakSet[type]" = weakref.WeakSet()
+# Leaves whose compiled calls found no module owning their tensors (warned
+# once each).
+_WARNED_UNOWNED: weakref.WeakSet = weakref.WeakSet()
 
 
 def _known(cls):
@@ -182,29 +189,37 @@ def _classes_of(structure):
         return list(_CLASSES.get((structure.cls_module, structure.cls_qualname), ()))
 
 
-def _candidates(structure, key):
+def _owns(view, tensors) -> bool:
+    """Whether the call's tensors are the viewed module's (the same data)."""
+    try:
+        return all(a.data_ptr() == b.data_ptr() for a, b in zip(tensors, view.tensors))
+    except RuntimeError:  # no storage
+        return False
+
+
+def _candidates(structure, key, tensors):
     found = []
     for entry in list(_BY_KEY.get(key, ())) if key is not None else ():
         module = entry.ref()
         if module is not None:
             _refresh(entry, module)
-            if entry.key == key and entry.view.structure == structure:
+            if entry.key == key and entry.view.structure == structure and _owns(entry.view, tensors):
                 found.append((module, entry.view))
     return found
 
 
 def _find_slowly(leaf, structure, tensors, key):
-    found = _candidates(structure, key)
+    found = _candidates(structure, key, tensors)
     if not found:
         # Known modules whose tensors moved since they were indexed.
         for cls in _classes_of(structure):
             for module in _known(cls):
                 _refresh(remember(module), module)
-        found = _candidates(structure, key)
+        found = _candidates(structure, key, tensors)
     if not found:
         for cls in _classes_of(structure):
             _search_for_new_modules(cls)
-        found = _candidates(structure, key)
+        found = _candidates(structure, key, tensors)
     if len(found) == 1:
         return found[0]
     if found:  # modules sharing every tensor (a shallow copy and its original)
@@ -221,8 +236,8 @@ def _find_slowly(leaf, structure, tensors, key):
                 same.append((module, entry.view))
     if same:
         module, view = _one_of(leaf, structure, same, "have this call's structure, and its tensors are none of theirs")
-        if type(module) not in _WARNED_UNOWNED:
-            _WARNED_UNOWNED.add(type(module))
+        if leaf not in _WARNED_UNOWNED:
+            _WARNED_UNOWNED.add(leaf)
             warnings.warn(
                 f"torchleaf: leaf function '{leaf._name}' was compiled with a {structure.cls_qualname} "
                 f"argument whose tensors are no live module's own (torch.func.functional_call under "
@@ -300,9 +315,7 @@ def of_structure(leaf, structure, tensors):
     for searched in (False, True):
         if searched:
             for cls in _classes_of(structure):
-                for obj in gc.get_referrers(cls):
-                    if type(obj) is cls:
-                        remember(obj)
+                _search_for_new_modules(cls)
         for cls in _classes_of(structure):
             for module in _known(cls):
                 entry = remember(module)

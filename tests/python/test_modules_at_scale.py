@@ -285,3 +285,29 @@ def test_compiled_functional_call_runs_on_the_calls_tensors():
     with pytest.warns(UserWarning, match=r"whose tensors are no live module's own \(torch.func.functional_call"):
         out = f(params, x)
     torch.testing.assert_close(out, x @ params["lin.weight"].T + params["lin.bias"])
+
+
+def test_modules_tied_by_one_tensor_run_as_themselves():
+    """Two modules of one structure that share only their first tensor (a
+    tied weight) and differ in a setting: each compiled call runs on its own
+    module, the one torchleaf never saw included."""
+    torch._dynamo.reset()
+
+    class Scaled(nn.Module):
+        def __init__(self, scale):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.scale = scale
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    run = torchleaf.leaf_function(lambda m, x: m(x))
+    run.register_fake(lambda m, x: torch.empty_like(x))
+    f = torch.compile(lambda m, x: run(m, x), backend="aot_eager", fullgraph=True)
+    seen, x = Scaled(1.0), torch.randn(2, 3)
+    torch.testing.assert_close(f(seen, x), seen(x))
+    tied = Scaled(3.0)
+    tied.lin.weight = seen.lin.weight  # first tensor shared, bias its own
+    for m in (tied, seen, tied):
+        torch.testing.assert_close(f(m, x), m(x))
