@@ -22,6 +22,7 @@
 #include "../registry.h"
 #include "../state.h"
 #include "../torch_private.h"
+#include "module_entries.h"
 #include "operator_entries.h"
 
 namespace py = pybind11;
@@ -525,4 +526,5 @@ PYBIND11_MODULE(_C, m) {
             static_cast<c10::DeviceType>(code), /*lower_case=*/true);
       },
       "The name ('cpu', 'cuda', ...) of a c10::DeviceType code.");
+  add_module_entry_functions(m);
 }

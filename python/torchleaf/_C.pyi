@@ -99,3 +99,23 @@ def scalar_type_code(tensor: torch.Tensor) -> int:
 
 def device_type_name(code: int) -> str:
     """The name ('cpu', 'cuda', ...) of a c10::DeviceType code."""
+
+# The per-call dict work of module arguments (csrc/python/module_entries.cpp):
+# _modules.ModuleView decides what to compare and where to write.
+
+def same_entries(
+    root: dict, dicts: list[Optional[dict]], keys: list[Any], values: list[Any], sized: list[dict], lengths: list[int]
+) -> bool:
+    """Whether each dicts[i] (root where it is None) maps keys[i] to exactly
+    values[i] (identity) and each sized[j] has lengths[j] entries."""
+
+def swap_entries(dicts: list[dict], keys: list[Any], values: list[Any]) -> list[Any]:
+    """Set dicts[i][keys[i]] = values[i] and return the entries replaced
+    (KeyError, nothing changed, when one is missing)."""
+
+def restore_entries(dicts: list[dict], keys: list[Any], old: list[Any], expected: list[Any]) -> int:
+    """Set every dicts[i][keys[i]] back to old[i]; return the index of the
+    first entry that did not hold expected[i] before, or -1."""
+
+def tensor_versions(tensors: list[torch.Tensor]) -> list[Optional[int]]:
+    """Each tensor's version counter (None for an inference tensor)."""

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import _C
 from ._errors import LeafFunctionError
 from ._torch_private import assume_constant_result, reparametrize_module
 
@@ -184,9 +185,10 @@ def module_structure(module):
 # tensor is still the one seen, by identity, at C speed -- and walks again
 # only when something did.
 _is = operator.is_
-_dict_get = dict.get
-_dict_set = dict.__setitem__
-_get_version = operator.attrgetter("_version")
+_DICT_ATTRS = ("_parameters", "_buffers", "_modules")
+_same_entries, _swap_entries, _restore_entries, _tensor_versions = (
+    _C.same_entries, _C.swap_entries, _C.restore_entries, _C.tensor_versions
+)
 _get_parameters = operator.attrgetter("_parameters")
 _get_buffers = operator.attrgetter("_buffers")
 _get_modules = operator.attrgetter("_modules")
@@ -201,7 +203,8 @@ class ModuleView:
     __slots__ = (
         "structure", "tensors", "slot_dicts", "slot_keys", "slot_index", "slot_names",
         "submodules", "parameters", "buffers", "children", "dicts", "lengths",
-        "entry_dicts", "entry_keys", "entry_values",
+        "entry_dicts", "entry_keys", "entry_values", "check_dicts", "check_keys", "check_values",
+        "slots_in_order",
     )
 
     def __init__(self, module):
@@ -230,6 +233,14 @@ class ModuleView:
         self.dicts = self.parameters + self.buffers + self.children
         self.lengths = list(map(len, self.dicts))
         self.entry_dicts, self.entry_keys, self.entry_values = entry_dicts, entry_keys, entry_values
+        # What unchanged() compares, as _C.same_entries takes it: the dicts
+        # of the module (None: read from the module's __dict__, which the
+        # view must not hold) and of each submodule, then every entry.
+        self.check_dicts = [None] * 3 + [sub.__dict__ for sub in submodules for _ in _DICT_ATTRS] + entry_dicts
+        self.check_keys = [*_DICT_ATTRS] * len(everything) + entry_keys
+        self.check_values = [
+            d for dicts in zip(self.parameters, self.buffers, self.children) for d in dicts
+        ] + entry_values
         # The structure as every other path computes it (named_parameters may
         # be overridden); slots only when the walk found every name there.
         self.structure, self.tensors = module_structure(module)
@@ -250,6 +261,8 @@ class ModuleView:
                 index.append(i)
                 slot_names.append(name)
         self.slot_dicts, self.slot_keys, self.slot_index, self.slot_names = dicts, keys, index, slot_names
+        # (The usual case: the call's tensors go to the slots as they come.)
+        self.slots_in_order = index == list(range(len(index)))
 
     def unchanged(self, module, restored=None):
         """Whether `module` still has exactly what the walk saw: the same
@@ -258,6 +271,10 @@ class ModuleView:
         instead: what a call put back where an enclosing call of the same
         leaf had set its own (a module and one of its submodules passed
         together)."""
+        if restored is None:  # (every call, twice: in C)
+            return _same_entries(
+                module.__dict__, self.check_dicts, self.check_keys, self.check_values, self.dicts, self.lengths
+            )
         everything = (module, *self.submodules)
         if not (
             all(map(_is, map(_get_parameters, everything), self.parameters))
@@ -266,8 +283,6 @@ class ModuleView:
             and list(map(len, self.dicts)) == self.lengths
         ):
             return False
-        if restored is None:
-            return all(map(_is, map(_dict_get, self.entry_dicts, self.entry_keys), self.entry_values))
         return all(
             d.get(key) is restored.get((id(d), key), value)
             for d, key, value in zip(self.entry_dicts, self.entry_keys, self.entry_values)
@@ -409,12 +424,7 @@ class _Binder:
         self.ctx = None
         # In-place changes to a module's tensors are the C++ core's undeclared
         # mutation error too, but only Python knows their names.
-        self.versions = None
-        if not buffers_mutable:
-            try:
-                self.versions = list(map(_get_version, own))
-            except RuntimeError:  # inference tensors have no version counter
-                self.versions = [None if t.is_inference() else t._version for t in own]
+        self.versions = None if buffers_mutable else _tensor_versions(own)
 
     def enter(self):
         view = self.view
@@ -429,10 +439,8 @@ class _Binder:
             self.ctx.__enter__()
             return
         own = self.own
-        self.new = [own[i] for i in view.slot_index]
-        self.old = list(map(_dict_get, view.slot_dicts, view.slot_keys))
-        for _ in map(_dict_set, view.slot_dicts, view.slot_keys, self.new):
-            pass
+        self.new = own if view.slots_in_order else [own[i] for i in view.slot_index]
+        self.old = _swap_entries(view.slot_dicts, view.slot_keys, self.new)
 
     def exit(self):
         if self.ctx is not None:
@@ -448,13 +456,9 @@ class _Binder:
             return
         view = self.view
         dicts, keys = view.slot_dicts, view.slot_keys
-        if not all(map(_is, map(_dict_get, dicts, keys), self.new)):
-            for name, d, key, t in zip(view.slot_names, dicts, keys, self.new):
-                if d.get(key) is not t:
-                    self.replaced = name
-                    break
-        for _ in map(_dict_set, dicts, keys, self.old):
-            pass
+        replaced = _restore_entries(dicts, keys, self.old, self.new)
+        if replaced >= 0:
+            self.replaced = view.slot_names[replaced]
         if (
             self.replaced is None
             and not view.unchanged(self.module)
@@ -470,12 +474,8 @@ class _Binder:
                     break
 
     def check(self, leaf):
-        if self.versions is not None:
-            try:
-                changed = list(map(_get_version, self.own)) != self.versions
-            except RuntimeError:  # inference tensors: compare one by one
-                changed = True
-            for name, t, version in zip(self.structure.names, self.own, self.versions) if changed else ():
+        if self.versions is not None and _tensor_versions(self.own) != self.versions:
+            for name, t, version in zip(self.structure.names, self.own, self.versions):
                 if version is not None and t._version != version:
                     raise LeafFunctionError(
                         f"torchleaf: leaf function '{leaf._name}' changed '{name}' of its "
@@ -491,6 +491,20 @@ class _Binder:
                 f"new value instead."
             )
 
+
+
+def call_with_module(leaf, fn, args, module, structure, own, view):
+    """call_with_modules for one module and arguments by position (the
+    common call, without the general one's lists)."""
+    binder = _Binder(module, structure, own, False, view)
+    with _MODULE_CALLS_LOCK:  # (see call_with_modules)
+        binder.enter()
+        try:
+            out = fn(*args)
+        finally:
+            binder.exit()
+    binder.check(leaf)
+    return out
 
 
 def call_with_modules(leaf, fn, args, kwargs, bindings, checked_views=()):

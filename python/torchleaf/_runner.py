@@ -11,7 +11,7 @@ import torch
 from . import _outputs as outputs
 from ._caches import STABLE_IDS, fold_traced_fake
 from ._errors import LeafFunctionError, add_note
-from ._modules import call_with_modules
+from ._modules import call_with_module, call_with_modules
 from ._signature import IN_NDARRAY, IN_TENSOR, MODULE_KINDS
 from ._torch_private import autocast_supported_devices, is_any_autocast_enabled, set_grad_enabled
 
@@ -25,6 +25,9 @@ def invoke(leaf, fn, plan, tensors, arguments, fake):
     through the operator)."""
     if plan.positional:
         return fn(*tensors[: len(plan.slots)]) if plan.ordered else fn(*tensors)
+    if plan.one_module is not None and not fake:
+        flat, module, own, view = plan.rebuild_one_module(leaf, tensors, arguments)
+        return call_with_module(leaf, fn, flat, module, plan.one_module[3], own, view)
     eager_flat = None if arguments is None else arguments.flat
     args, kwargs, bindings, flat = plan.rebuild(leaf, tensors, eager_flat, fake)
     if not bindings:
@@ -124,11 +127,16 @@ def run_real(leaf_ref, plan_index, tensors, arguments):
         _set_grad_enabled(True)
     try:
         if plan.ordered:
-            if plan.positional and plan.autocast is None and not _is_any_autocast_enabled():
-                # The common compiled call, inline (what invoke_compiled and
-                # invoke do for it): each Python frame on this path is paid,
+            if plan.autocast is not None or _is_any_autocast_enabled():
+                out = invoke_compiled(leaf, leaf._fn, plan, tensors, arguments, fake=False)
+            elif plan.positional:
+                # The common compiled calls, inline (what invoke_compiled and
+                # invoke do for them): each Python frame on this path is paid,
                 # and its code fetched cold, on every training step.
                 out = leaf._fn(*tensors[: len(plan.slots)])
+            elif plan.one_module is not None:
+                flat, module, own, view = plan.rebuild_one_module(leaf, tensors, None)
+                out = call_with_module(leaf, leaf._fn, flat, module, plan.one_module[3], own, view)
             else:
                 out = invoke_compiled(leaf, leaf._fn, plan, tensors, arguments, fake=False)
         else:

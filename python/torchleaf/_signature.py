@@ -151,6 +151,26 @@ def split_module_tensors(width: int, tensors, inputs: list, mutable_buffers: lis
     mutable_buffers.extend(tensors[width:])
 
 
+def _one_module_layout(plan, mode):
+    """For a plan whose real calls take one module and tensors by position,
+    nothing declared mutable (a layer's leaf(block, x)): (the module's flat
+    position, its first and end operator input, its structure, (flat
+    position, operator input) of each tensor), which Plan.rebuild_one_module
+    and _runner take without rebuild's general walk. Else None."""
+    if not plan.by_position or plan.mutated or plan.containers or mode not in (EAGER, COMPILED):
+        return None
+    module, tensor_places, k = None, [], 0
+    for slot in plan.slots:
+        if slot.kind == IN_TENSOR:
+            tensor_places.append((slot.position, k))
+        elif slot.kind != IN_MODULE or module is not None or (mode == COMPILED and slot.coding != BY_TENSORS):
+            return None
+        else:
+            module = (slot.position, k, k + slot.width, slot.module)
+        k += slot.width
+    return None if module is None else (*module, tuple(tensor_places))
+
+
 _FINGERPRINT_MASK = (1 << 62) - 1
 
 
@@ -206,7 +226,7 @@ class Plan:
     __slots__ = (
         "index", "spec", "template", "slots", "mutated", "ordered", "positional", "out",
         "out_plain", "out_from_real", "out_carries", "out_checks", "out_varied", "autocast", "out_dtypes",
-        "grad", "containers", "n_slot_inputs", "n_handles", "by_position",
+        "grad", "containers", "n_slot_inputs", "n_handles", "by_position", "one_module",
     )
 
     def __init__(self, index, spec, template, slots, mutated, mode, positional, autocast=None, grad=False):
@@ -228,6 +248,7 @@ class Plan:
         self.containers = () if positional else _mutable_container_arguments(spec)
         # Leaf arguments by position only: rebuilt as tuple(flat), without pytree.
         self.by_position = spec == positional_spec(spec.num_leaves)
+        self.one_module = _one_module_layout(self, mode)
         self.out = None  # the fake's output description, once traced
         self.out_plain = False  # whether `out` holds no constants
         self.out_from_real = False  # `out` came from a real call, no fake ran
@@ -355,6 +376,23 @@ class Plan:
             return tuple(flat), {}, bindings, flat
         args, kwargs = pytree.tree_unflatten(flat, self.spec)
         return args, kwargs, bindings, flat
+
+    def rebuild_one_module(self, leaf, tensors, arguments):
+        """rebuild for a one_module plan's real call: (flat arguments,
+        module, its tensors, its view or None)."""
+        pos, start, stop, structure, tensor_places = self.one_module
+        own = list(tensors[start:stop])
+        if arguments is None:  # a compiled call: the module is found by its tensors
+            flat = list(self.template)
+            module, view = _module_index.find(leaf, structure, own)
+            flat[pos] = module
+        else:  # an eager call passes its module, checked moments ago
+            flat = list(arguments.flat)
+            module = flat[pos]
+            view = next((v for m, v in arguments.views if m is module), None)
+        for p, k in tensor_places:
+            flat[p] = tensors[k]
+        return flat, module, own, view
 
     def slot_of_input(self, index: int):
         """(slot, index within the slot) of operator input ``index``; None for

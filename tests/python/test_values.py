@@ -607,6 +607,40 @@ def test_a_submodule_reassigned_inside_the_leaf_is_an_error():
         leaf(torch.randn(2, 3), model)
 
 
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_a_module_has_its_own_tensors_after_a_leaf_raises_or_replaces_one(backend):
+    # The call's tensors are written into the module's dicts for the body and
+    # taken out again however the body ends.
+    torch._dynamo.reset()
+    block = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3)).double()
+    own = {name: t for name, t in block.named_parameters()}
+
+    def raises(m, x):
+        m(x)
+        raise ValueError("from the body")
+
+    def replaces(m, x):
+        m[0].weight = nn.Parameter(m[0].weight * 2)
+        return m(x)
+
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    for fn, error, match in ((raises, ValueError, "from the body"),
+                             (replaces, LeafFunctionError, r"replaced '0\.weight' of its Sequential argument")):
+        leaf = _leaf(fn, lambda m, x: torch.empty_like(x))
+        run = leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
+        with pytest.raises(error, match=match):
+            run(block, x)
+        assert [name for name, _ in block.named_parameters()] == list(own)
+        assert all(own[name] is t for name, t in block.named_parameters())
+    assert torchleaf.live_states() == 0
+    good = _leaf(_through_first, lambda m, x: torch.empty_like(x))
+    torch.testing.assert_close(good(block, x), block(x))
+
+
+def _through_first(m, x):
+    return m(x)
+
+
 def test_a_leaf_calling_a_leaf_with_the_same_module():
     inner = _leaf(_through, lambda x, m: torch.empty_like(x))
     outer = _leaf(lambda x, m: inner(x, m) * 2 + m(x), lambda x, m: torch.empty_like(x))
