@@ -15,6 +15,7 @@
 
 #include "module_entries.h"
 
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 namespace torchleaf::python {
@@ -170,6 +171,7 @@ PyObject* restore_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // tensor_versions(tensors) -> list of each tensor's version counter (None
 // for an inference tensor, which has none).
 PyObject* tensor_versions(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
   if (!check_arity("tensor_versions", nargs, 1)) {
     return nullptr;
   }
@@ -177,28 +179,31 @@ PyObject* tensor_versions(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!lists(args, 1, n)) {
     return nullptr;
   }
-  PyObject* out = PyList_New(n);
-  if (out == nullptr) {
+  auto out = pybind11::reinterpret_steal<pybind11::object>(PyList_New(n));
+  if (!out) {
     return nullptr;
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = PyList_GET_ITEM(args[0], i);
     if (!THPVariable_Check(item)) {
-      Py_DECREF(out);
       PyErr_SetString(PyExc_TypeError, "torchleaf: expected tensors");
       return nullptr;
     }
     const at::Tensor& t = THPVariable_Unpack(item);
-    PyObject* version = t.is_inference()
-        ? Py_NewRef(Py_None)
-        : PyLong_FromUnsignedLong(t._version());
+    PyObject* version = nullptr;
+    if (t.is_inference()) {
+      Py_INCREF(Py_None);
+      version = Py_None;
+    } else {
+      version = PyLong_FromUnsignedLongLong(t._version());
+    }
     if (version == nullptr) {
-      Py_DECREF(out);
       return nullptr;
     }
-    PyList_SET_ITEM(out, i, version);
+    PyList_SET_ITEM(out.ptr(), i, version);
   }
-  return out;
+  return out.release().ptr();
+  END_HANDLE_TH_ERRORS
 }
 
 #define TORCHLEAF_FASTCALL(f) \

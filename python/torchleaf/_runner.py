@@ -27,7 +27,7 @@ def invoke(leaf, fn, plan, tensors, arguments, fake):
         return fn(*tensors[: len(plan.slots)]) if plan.ordered else fn(*tensors)
     if plan.one_module is not None and not fake:
         flat, module, own, view = plan.rebuild_one_module(leaf, tensors, arguments)
-        return call_with_module(leaf, fn, flat, module, plan.one_module[3], own, view)
+        return call_with_module(leaf, fn, flat, module, plan.one_module.structure, own, view)
     eager_flat = None if arguments is None else arguments.flat
     args, kwargs, bindings, flat = plan.rebuild(leaf, tensors, eager_flat, fake)
     if not bindings:
@@ -136,7 +136,7 @@ def run_real(leaf_ref, plan_index, tensors, arguments):
                 out = leaf._fn(*tensors[: len(plan.slots)])
             elif plan.one_module is not None:
                 flat, module, own, view = plan.rebuild_one_module(leaf, tensors, None)
-                out = call_with_module(leaf, leaf._fn, flat, module, plan.one_module[3], own, view)
+                out = call_with_module(leaf, leaf._fn, flat, module, plan.one_module.structure, own, view)
             else:
                 out = invoke_compiled(leaf, leaf._fn, plan, tensors, arguments, fake=False)
         else:

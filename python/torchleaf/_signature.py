@@ -151,12 +151,21 @@ def split_module_tensors(width: int, tensors, inputs: list, mutable_buffers: lis
     mutable_buffers.extend(tensors[width:])
 
 
+class OneModuleLayout(NamedTuple):
+    """Where a one-module plan's operator inputs go (Plan.one_module)."""
+
+    position: int  # the module's flat position
+    start: int  # its first operator input
+    stop: int  # the input after its last
+    structure: ModuleStructure
+    tensor_places: tuple  # (flat position, operator input) of each tensor argument
+
+
 def _one_module_layout(plan, mode):
     """For a plan whose real calls take one module and tensors by position,
-    nothing declared mutable (a layer's leaf(block, x)): (the module's flat
-    position, its first and end operator input, its structure, (flat
-    position, operator input) of each tensor), which Plan.rebuild_one_module
-    and _runner take without rebuild's general walk. Else None."""
+    nothing declared mutable (a layer's leaf(block, x)): its layout, which
+    Plan.rebuild_one_module and _runner take without rebuild's general walk.
+    Else None."""
     if not plan.by_position or plan.mutated or plan.containers or mode not in (EAGER, COMPILED):
         return None
     module, tensor_places, k = None, [], 0
@@ -168,7 +177,7 @@ def _one_module_layout(plan, mode):
         else:
             module = (slot.position, k, k + slot.width, slot.module)
         k += slot.width
-    return None if module is None else (*module, tuple(tensor_places))
+    return None if module is None else OneModuleLayout(*module, tuple(tensor_places))
 
 
 _FINGERPRINT_MASK = (1 << 62) - 1
@@ -248,7 +257,7 @@ class Plan:
         self.containers = () if positional else _mutable_container_arguments(spec)
         # Leaf arguments by position only: rebuilt as tuple(flat), without pytree.
         self.by_position = spec == positional_spec(spec.num_leaves)
-        self.one_module = _one_module_layout(self, mode)
+        self.one_module: Optional[OneModuleLayout] = _one_module_layout(self, mode)
         self.out = None  # the fake's output description, once traced
         self.out_plain = False  # whether `out` holds no constants
         self.out_from_real = False  # `out` came from a real call, no fake ran
@@ -380,17 +389,18 @@ class Plan:
     def rebuild_one_module(self, leaf, tensors, arguments):
         """rebuild for a one_module plan's real call: (flat arguments,
         module, its tensors, its view or None)."""
-        pos, start, stop, structure, tensor_places = self.one_module
-        own = list(tensors[start:stop])
+        layout = self.one_module
+        assert layout is not None  # (callers check)
+        own = list(tensors[layout.start : layout.stop])
         if arguments is None:  # a compiled call: the module is found by its tensors
             flat = list(self.template)
-            module, view = _module_index.find(leaf, structure, own)
-            flat[pos] = module
+            module, view = _module_index.find(leaf, layout.structure, own)
+            flat[layout.position] = module
         else:  # an eager call passes its module, checked moments ago
             flat = list(arguments.flat)
-            module = flat[pos]
+            module = flat[layout.position]
             view = next((v for m, v in arguments.views if m is module), None)
-        for p, k in tensor_places:
+        for p, k in layout.tensor_places:
             flat[p] = tensors[k]
         return flat, module, own, view
 
