@@ -20,14 +20,14 @@ void attach_to_caller(
   // stay only where saved inputs refer to them, and where the function put
   // a hook on its input (x.register_hook): gradients then pass through the
   // active sink, whose hooks the engine runs.
-  for (const auto& [edge, input] : state.sink_uses) {
-    if (!has_hooks(*state.input_edges[input].function)) {
+  // (Hooks sit on the one sink node: with any, every captured edge keeps
+  // going through it, and it forwards each input to its caller's edge.)
+  if (!has_hooks(*state.sink)) {
+    for (const auto& [edge, input] : state.sink_uses) {
       *edge = caller_edges[input];
     }
   }
-  for (const auto& sink : state.input_edges) {
-    static_cast<InputSink*>(sink.function.get())->activate();
-  }
+  static_cast<InputSink*>(state.sink.get())->activate();
   bool all_reached = true;
   for (bool reached : state.input_reached) {
     all_reached = all_reached && reached;

@@ -114,7 +114,7 @@ class CallMembership {
   enum Mark : uint8_t { kVisiting, kInside, kOutside };
 
   std::optional<bool> quick(const Node* fn) {
-    if (sink_index(state_, fn) >= 0) {
+    if (is_own_sink(state_, fn)) {
       return true;
     }
     if (is_accumulate_grad(fn)) {
@@ -266,7 +266,7 @@ void walk_captured_graph(
     if (fn == nullptr) {
       return;
     }
-    if (auto i = sink_index(state, fn); i >= 0) {
+    if (auto i = sink_index(state, edge); i >= 0) {
       state.input_reached[i] = true;
       state.sink_uses.emplace_back(&edge, static_cast<size_t>(i));
       return;

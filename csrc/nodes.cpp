@@ -13,14 +13,8 @@ using torch::autograd::Edge;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-InputSink::InputSink(
-    LeafEntryPtr entry,
-    const CapturedState* owner,
-    int64_t index)
-    : Node(kInputSinkSequenceNr),
-      entry_(std::move(entry)),
-      owner_(owner),
-      index_(index) {}
+InputSink::InputSink(LeafEntryPtr entry, const CapturedState* owner)
+    : Node(kInputSinkSequenceNr), entry_(std::move(entry)), owner_(owner) {}
 
 variable_list InputSink::apply(variable_list&& grads) {
   if (active_) {
@@ -74,25 +68,33 @@ at::Tensor sink_alias(
     CapturedState& state,
     const Edge* caller_edge) {
   at::Tensor alias = detached(t);
-  auto sink = torch_private::make_node<InputSink>(
-      state.entry, &state, static_cast<int64_t>(state.input_edges.size()));
-  if (caller_edge != nullptr) {
-    sink->set_next_edges({*caller_edge});
+  if (state.input_edges.empty()) {
+    state.input_edges.reserve(4);
+    state.sink = torch_private::make_node<InputSink>(state.entry, &state);
   }
-  sink->add_input_metadata(alias);
-  torch_private::set_gradient_edge(alias, Edge(sink, 0));
-  state.input_edges.emplace_back(std::move(sink), 0);
+  if (caller_edge != nullptr) {
+    state.sink->add_next_edge(*caller_edge);
+  }
+  const auto input = state.sink->add_input_metadata(alias);
+  TORCH_INTERNAL_ASSERT(input == state.input_edges.size());
+  torch_private::set_gradient_edge(alias, Edge(state.sink, input));
+  state.input_edges.emplace_back(state.sink, input);
   return alias;
 }
 
-int64_t sink_index(const CapturedState& state, const Node* node) {
+bool is_own_sink(const CapturedState& state, const Node* node) {
   if (node == nullptr || node->sequence_nr() != kInputSinkSequenceNr) {
-    return -1;
+    return false;
   }
   TORCH_INTERNAL_ASSERT_DEBUG_ONLY(
       dynamic_cast<const InputSink*>(node) != nullptr);
-  const auto* sink = static_cast<const InputSink*>(node);
-  return sink->owner() == &state ? sink->index() : -1;
+  return static_cast<const InputSink*>(node)->owner() == &state;
+}
+
+int64_t sink_index(const CapturedState& state, const Edge& edge) {
+  return is_own_sink(state, edge.function.get())
+      ? static_cast<int64_t>(edge.input_nr)
+      : -1;
 }
 
 // PyTorch makes AccumulateGrad nodes with sequence number UINT64_MAX, which

@@ -16,27 +16,27 @@
 
 namespace torchleaf {
 
-// Stands in for the caller's graph behind each differentiable input of a
-// captured call: gradients stop here and are collected by the engine. It is
-// never executed. In eager mode it is created with an edge to the caller's
-// graph (so that topological numbers are right from the start), and once the
-// call succeeded the captured graph's edges to it are rewired to that edge
-// and the sink is activated: it then passes gradients through, for graphs
-// that still reach it through saved inputs (double backward).
+// Stands in for the caller's graph behind the differentiable inputs of a
+// captured call: gradients stop here and are collected by the engine. One
+// node per call, input i of the node for captured input i (a node per
+// tensor cost an allocation, a constructor and a destructor per parameter of
+// a module argument, on every call). It is never executed. In eager mode
+// each input gets an edge to the caller's graph as it is added (so that
+// topological numbers are right from the start), and once the call
+// succeeded the captured graph's edges to it are rewired to those edges and
+// the sink is activated: it then passes gradients through, for graphs that
+// still reach it through saved inputs (double backward).
 // Input sinks are made with this sequence number (one below AccumulateGrad's
 // UINT64_MAX, which PyTorch gives no other node), so that a graph walk tells
 // a sink from the body's nodes with one load, not a dynamic_cast.
 constexpr uint64_t kInputSinkSequenceNr = UINT64_MAX - 1;
 
 struct InputSink final : public torch::autograd::Node {
-  // The sink of input `index` of the call whose graph `owner` holds.
-  InputSink(LeafEntryPtr entry, const CapturedState* owner, int64_t index);
+  // The sink of the call whose graph `owner` holds.
+  InputSink(LeafEntryPtr entry, const CapturedState* owner);
 
   const CapturedState* owner() const {
     return owner_;
-  }
-  int64_t index() const {
-    return index_;
   }
 
   void activate() {
@@ -57,7 +57,6 @@ struct InputSink final : public torch::autograd::Node {
  private:
   LeafEntryPtr entry_;
   const CapturedState* owner_;
-  int64_t index_;
   bool active_ = false;
 };
 
@@ -81,19 +80,24 @@ struct LeafRouter final : public torch::autograd::Node {
   LeafEntryPtr entry_;
 };
 
-// An alias of `t` whose gradient flows into a new sink, recorded in `state`.
-// `caller_edge`, if any, is where the sink forwards once activated.
+// An alias of `t` whose gradient flows into the state's sink (made for the
+// call's first captured input), recorded in `state`. `caller_edge`, if any,
+// is where the sink forwards it once activated.
 at::Tensor sink_alias(
     const at::Tensor& t,
     CapturedState& state,
     const torch::autograd::Edge* caller_edge = nullptr);
 
-// Index of `node` among the state's input sinks, or -1 (O(1): walks of a
-// call's graph ask it for every edge, and a module argument gives a call
+// Whether `node` is the state's input sink (one load and a compare: walks of
+// a call's graph ask it for every edge, and a module argument gives a call
 // hundreds of inputs).
+bool is_own_sink(const CapturedState& state, const torch::autograd::Node* node);
+
+// The captured input an edge into the state's sink stands for, or -1 for any
+// other edge.
 int64_t sink_index(
     const CapturedState& state,
-    const torch::autograd::Node* node);
+    const torch::autograd::Edge& edge);
 
 // Whether `fn` is a leaf tensor's AccumulateGrad.
 bool is_accumulate_grad(const torch::autograd::Node* fn);

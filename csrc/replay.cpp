@@ -122,7 +122,8 @@ TensorList replay(
     } else {
       // The fake cannot show which inputs are used, so traced backward
       // graphs expect a tensor for every differentiable input.
-      out[i] = state.input_edges[i].function->input_metadata(0).zeros_like();
+      const auto& sink = state.input_edges[i];
+      out[i] = sink.function->input_metadata(sink.input_nr).zeros_like();
     }
   }
   return out;

@@ -59,10 +59,8 @@ std::optional<variable_list> replay_inline(
   };
   // (A sink with hooks, one on an input inside the function, is left to
   // the engine, which runs them on the gradient it collects there.)
-  for (const auto& sink : state.input_edges) {
-    if (has_hooks(*sink.function)) {
-      return std::nullopt;
-    }
+  if (state.sink != nullptr && has_hooks(*state.sink)) {
+    return std::nullopt;
   }
   auto eligible = [](Node* fn) {
     if (has_hooks(*fn)) {
@@ -79,7 +77,7 @@ std::optional<variable_list> replay_inline(
   // Discover the nodes between the roots and the sinks, counting parents.
   for (const auto& root : roots) {
     Node* fn = root.function.get();
-    if (sink_index(state, fn) < 0 && index_of(fn) < 0) {
+    if (!is_own_sink(state, fn) && index_of(fn) < 0) {
       nodes.push_back(fn);
       pending.push_back(0);
     }
@@ -91,7 +89,7 @@ std::optional<variable_list> replay_inline(
     python_free = python_free && runs_without_python(*nodes[n]);
     for (const auto& next : nodes[n]->next_edges()) {
       Node* fn = next.function.get();
-      if (fn == nullptr || sink_index(state, fn) >= 0) {
+      if (fn == nullptr || is_own_sink(state, fn)) {
         continue;
       }
       auto i = index_of(fn);
@@ -119,7 +117,7 @@ std::optional<variable_list> replay_inline(
       roots, root_grads, [](const std::string& msg) { return msg; });
   variable_list results(state.input_edges.size());
   auto deliver = [&](const Edge& edge, at::Tensor grad) {
-    if (auto s = sink_index(state, edge.function.get()); s >= 0) {
+    if (auto s = sink_index(state, edge); s >= 0) {
       results[s] = results[s].defined() ? results[s] + grad : std::move(grad);
     } else {
       auto i = index_of(edge.function.get());

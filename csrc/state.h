@@ -37,9 +37,12 @@ struct CapturedState {
   // graphs of its calls are alive).
   LeafEntryPtr entry;
   std::vector<torch::autograd::Edge> output_edges; // invalid: no gradient
-  // One per captured input, each to its own sink node, whose input metadata
-  // (the input's sizes, dtype and device) gives a zero gradient where
-  // nothing flows.
+  // The call's input sink (nodes.h), once an input is captured: input i of
+  // the node stands for captured input i, and its input metadata (the
+  // input's sizes, dtype and device) gives a zero gradient where nothing
+  // flows.
+  decltype(torch::autograd::Edge::function) sink; // (torch_private::NodePtr)
+  // One per captured input: (sink, i).
   std::vector<torch::autograd::Edge> input_edges;
   // Whether any output's graph reaches input i (parallel to input_edges).
   // (Inline capacity: a state is made on every step; each heap block is a

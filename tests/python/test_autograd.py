@@ -659,32 +659,35 @@ def test_an_in_place_change_that_would_carry_a_gradient_is_an_error(backend):
 def test_a_hook_the_function_puts_on_its_input_runs(backend):
     """x.register_hook inside the body (gradient scaling, logging): eager
     calls wired the captured graph past the input's node, so the hook never
-    ran and the gradient came back unscaled."""
+    ran and the gradient came back unscaled. An input without a hook (b)
+    shares the call's sink node with the hooked ones: its gradient passes
+    through unchanged."""
     torch._dynamo.reset()
     seen = []
 
-    def body(x, w):
+    def body(x, w, b):
         x.register_hook(lambda g: g * 10)
         w.register_hook(lambda g: seen.append(g.clone()))
-        return (x * w).sin(), w.exp()
+        return (x * w).sin() * b, w.exp()
 
-    leaf = _leaf(body, lambda x, w: (torch.empty_like(x), torch.empty_like(w)))
+    leaf = _leaf(body, lambda x, w, b: (torch.empty_like(x), torch.empty_like(w)))
     if backend == "aot_function":
         leaf = aot_function(leaf, fw_compiler=nop, bw_compiler=nop)
     elif backend is not None:
         leaf = torch.compile(leaf, backend=backend, fullgraph=True)
     x = torch.randn(3, dtype=torch.float64)
     w = torch.randn(3, dtype=torch.float64)
+    b = torch.randn(3, dtype=torch.float64)
 
     def grads(f):
         # Fresh leaves each time: the plain function's hooks stay on the
         # caller's tensors (a leaf's stay on its own aliases, for one call).
-        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-        a, b = f(xs, ws)
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        a, c = f(xs, ws, bs)
         # (.backward(), not autograd.grad: the replay then takes its inline
         # path, which leaves sinks with hooks to the engine.)
-        ((a * torch.arange(3.0, dtype=torch.float64)).sum() + b.sum()).backward()
-        return xs.grad, ws.grad
+        ((a * torch.arange(3.0, dtype=torch.float64)).sum() + c.sum()).backward()
+        return xs.grad, ws.grad, bs.grad
 
     want = grads(body)
     assert len(seen) == 1
