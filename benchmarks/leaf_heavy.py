@@ -4,6 +4,7 @@ its own submodule, as a model that routes every layer through a leaf does.
     python benchmarks/leaf_heavy.py                 # the table (N = 10 and 100)
     python benchmarks/leaf_heavy.py --quick         # few repetitions
     python benchmarks/leaf_heavy.py --cold-compile  # cold Inductor compile, N = 100
+    python benchmarks/leaf_heavy.py --split         # forward/backward/SGD by part, N = 100
 
 Each layer is ``Block`` (Linear(16, 16), LayerNorm, ReLU, a residual); a step
 is forward, backward and an SGD update on x: 8x16 float32. The layer's
@@ -214,13 +215,95 @@ def cold_compile(n=100, log=print):
     return out
 
 
+SPLIT_VARIANTS = (("plain", "eager"), ("plain", "inductor"), ("torchleaf", "aot_eager"), ("torchleaf", "inductor"))
+
+
+def split(n=100, rounds=40):
+    """{(impl, mode): {"forward", "forward ops", "backward", "backward ops",
+    "sgd"}: ms per step}, one thread, the variants interleaved in one
+    process; torchleaf's forward and backward operators are timed by wrapping
+    them after compilation (docs/profile.md, "A leaf-heavy model")."""
+    torch.set_num_threads(1)
+    fns = _functions()
+    clock = time.perf_counter
+    sums: dict = {}
+    current: list = [None]
+    steps = {}
+    for impl, mode in SPLIT_VARIANTS:
+        torch.manual_seed(0)
+        model = _model_class(f"{impl}_{mode}")(n, fns[impl])
+        x = torch.randn(8, WIDTH)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        forward = model if mode == "eager" else torch.compile(model, backend=mode)
+
+        def step(forward=forward, opt=opt, x=x, key=(impl, mode)):
+            current[0] = sums[key]
+            opt.zero_grad(set_to_none=True)
+            t0 = clock()
+            loss = forward(x).square().mean()
+            t1 = clock()
+            loss.backward()
+            t2 = clock()
+            opt.step()
+            t3 = clock()
+            for part, t in (("forward", t1 - t0), ("backward", t2 - t1), ("sgd", t3 - t2)):
+                current[0][part] += t
+
+        sums[(impl, mode)] = dict.fromkeys(("forward", "forward ops", "backward", "backward ops", "sgd"), 0.0)
+        for _ in range(5):  # (compiles, and recompiles once the grads exist)
+            step()
+        steps[(impl, mode)] = step
+    # Wrapped only now: Dynamo would trace the wrappers.
+    wrapped = []
+    for name, part in (("forward", "forward ops"), ("backward", "backward ops")):
+        packet = getattr(torch.ops.torchleaf, name)
+        real = packet.default
+
+        def timed(*args, real=real, part=part):
+            start = clock()
+            try:
+                return real(*args)
+            finally:
+                current[0][part] += clock() - start
+
+        packet.default = timed
+        wrapped.append((packet, real))
+    try:
+        for totals in sums.values():
+            totals.update(dict.fromkeys(totals, 0.0))
+        for _ in range(rounds):
+            for step in steps.values():
+                step()
+    finally:
+        for packet, real in wrapped:
+            packet.default = real
+    return {key: {part: t / rounds * 1e3 for part, t in totals.items()} for key, totals in sums.items()}
+
+
+def split_table(results):
+    lines = [
+        "| | forward | of which torchleaf operators | backward | of which torchleaf operators | SGD |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for (impl, mode), ms in results.items():
+        ops = (f"{ms['forward ops']:.2f}", f"{ms['backward ops']:.2f}") if impl == "torchleaf" else ("—", "—")
+        lines.append(
+            f"| {impl}, {mode} | {ms['forward']:.2f} | {ops[0]} | {ms['backward']:.2f} | {ops[1]} | {ms['sgd']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cold-compile", action="store_true")
     parser.add_argument("--cold-child", nargs=2, metavar=("IMPL", "N"), help=argparse.SUPPRESS)
     parser.add_argument("--sizes", default="10,100")
+    parser.add_argument("--split", action="store_true", help="ms per step by part, N = 100, one thread")
     args = parser.parse_args()
+    if args.split:
+        print(split_table(split()))
+        return
     if args.cold_child:
         print(_cold_compile_child(args.cold_child[0], int(args.cold_child[1])))
         return
