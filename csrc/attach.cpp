@@ -13,24 +13,28 @@ using torch::autograd::Node;
 void attach_to_caller(
     const LeafEntry& entry,
     const CapturedState& state,
-    const edge_list& caller_edges,
     TensorList& outputs) {
-  TORCH_INTERNAL_ASSERT(caller_edges.size() == state.input_edges.size());
   // The captured graph now leads straight into the caller's graph; the sinks
   // stay only where saved inputs refer to them, and where the function put
   // a hook on its input (x.register_hook): gradients then pass through the
   // active sink, whose hooks the engine runs.
   // (Hooks sit on the one sink node: with any, every captured edge keeps
   // going through it, and it forwards each input to its caller's edge.)
-  if (!has_hooks(*state.sink)) {
-    for (const auto& [edge, input] : state.sink_uses) {
-      *edge = caller_edges[input];
+  // (No sink when every input was passed through as it is.)
+  if (state.sink != nullptr) {
+    if (!has_hooks(*state.sink)) {
+      for (const auto& [edge, input] : state.sink_uses) {
+        *edge = state.sink->next_edge(input);
+      }
     }
+    static_cast<InputSink*>(state.sink.get())->activate();
   }
-  static_cast<InputSink*>(state.sink.get())->activate();
   bool all_reached = true;
   for (bool reached : state.input_reached) {
     all_reached = all_reached && reached;
+  }
+  for (const auto& through : state.passed_through) {
+    all_reached = all_reached && through.reached;
   }
   if (all_reached) {
     // The common case: the outputs keep their captured graph edges, which

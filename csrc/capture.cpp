@@ -59,16 +59,54 @@ bool selects_any(c10::ArrayRef<bool> mask) {
   return std::find(mask.begin(), mask.end(), true) != mask.end();
 }
 
-// Step 1: the aliases the function sees. A captured input's alias leads
-// into a new sink of the state (which forwards to the caller's edge once
-// attached, kForCaller); any other input's is a plain detached alias.
-void alias_inputs(
+// Which differentiable inputs of an eager call the function gets as they
+// are: leaf tensors (parameters), whose gradients the function's graph then
+// accumulates itself, as the plain function's does. Not an input declared
+// mutable (a leaf that requires grad cannot change in place; its alias can),
+// nor the second of one tensor passed twice (its alias keeps the inputs
+// apart). Records them in state.passed_through; returns a flag per input.
+InputFlags select_passed_through(
     RealCall& call,
-    c10::ArrayRef<bool> capture_mask,
-    const edge_list* caller_edges) {
+    c10::ArrayRef<bool> capture_mask) {
+  const auto& inputs = call.inputs;
+  InputFlags through(inputs.size(), false);
+  size_t leaves = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const bool is_mutable =
+        !call.mutable_inputs.empty() && call.mutable_inputs[i];
+    if (capture_mask[i] && !is_mutable && inputs[i].defined() &&
+        inputs[i].is_leaf()) {
+      through[i] = true;
+      ++leaves;
+    }
+  }
+  if (leaves == 0) {
+    return through;
+  }
+  reserve_passed_through(*call.state, leaves);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (through[i]) {
+      through[i] =
+          add_passed_through(*call.state, inputs[i].unsafeGetTensorImpl());
+    }
+  }
+  return through;
+}
+
+// Step 1: the tensors the function sees. A captured input's alias leads
+// into the state's sink (which forwards to the input's edge in the caller's
+// graph once attached, kForCaller), unless an eager call passes it through
+// as it is (select_passed_through); any other input's is a plain detached
+// alias.
+void alias_inputs(RealCall& call, c10::ArrayRef<bool> capture_mask) {
   const auto& inputs = call.inputs;
   call.inner.reserve(inputs.size());
   call.versions.reserve(inputs.size());
+  const bool for_caller = call.capture == Capture::kForCaller;
+  InputFlags through;
+  if (for_caller) {
+    through = select_passed_through(call, capture_mask);
+  }
   for (size_t i = 0; i < inputs.size(); ++i) {
     const auto& t = inputs[i];
     TORCHLEAF_CHECK(
@@ -76,11 +114,15 @@ void alias_inputs(
         call.entry.name,
         "received an undefined tensor at input ",
         i);
-    if (call.capture != Capture::kNone && capture_mask[i]) {
-      const Edge* caller_edge = caller_edges != nullptr
-          ? &(*caller_edges)[call.state->input_edges.size()]
-          : nullptr;
-      call.inner.push_back(sink_alias(t, *call.state, caller_edge));
+    if (for_caller && !through.empty() && through[i]) {
+      call.inner.push_back(t);
+    } else if (call.capture != Capture::kNone && capture_mask[i]) {
+      if (for_caller) {
+        const auto caller_edge = torch_private::gradient_edge(t);
+        call.inner.push_back(sink_alias(t, *call.state, &caller_edge));
+      } else {
+        call.inner.push_back(sink_alias(t, *call.state));
+      }
     } else {
       call.inner.push_back(detached(t));
     }
@@ -188,13 +230,9 @@ void own_outputs(RealCall& call, TensorList& outputs) {
   }
 }
 
-// The steps of every real call. `capture_mask` selects the captured inputs
-// (unless kNone); `caller_edges` are their edges in an eager caller's graph
-// (kForCaller only).
-TensorList run(
-    RealCall& call,
-    c10::ArrayRef<bool> capture_mask,
-    const edge_list* caller_edges) {
+// The steps of every real call. `capture_mask` selects the differentiable
+// inputs (unless kNone).
+TensorList run(RealCall& call, c10::ArrayRef<bool> capture_mask) {
   const auto& entry = call.entry;
   const ProfilerRange range(entry.name);
   refuse_jit_tracing(entry);
@@ -208,7 +246,7 @@ TensorList run(
   if (capturing) {
     grad_mode.emplace(true);
   }
-  alias_inputs(call, capture_mask, caller_edges);
+  alias_inputs(call, capture_mask);
   check_read_and_mutated_disjoint(entry, call.inputs, call.mutable_inputs);
   TensorList outputs = call_function(call);
   check_call(call, outputs);
@@ -233,7 +271,7 @@ TensorList run_real(
     c10::ArrayRef<bool> mutable_inputs,
     CallSite& site) {
   RealCall call{entry, inputs, mutable_inputs, site, Capture::kNone};
-  return run(call, {}, nullptr);
+  return run(call, {});
 }
 
 CapturedCall run_real_captured(
@@ -249,7 +287,7 @@ CapturedCall run_real_captured(
       mutable_inputs,
       site,
       selects_any(capture_mask) ? Capture::kForReplay : Capture::kNone};
-  auto outputs = run(call, capture_mask, nullptr);
+  auto outputs = run(call, capture_mask);
   return {std::move(outputs), std::move(call.state)};
 }
 
@@ -258,13 +296,12 @@ TensorList run_real_attached(
     const TensorList& inputs,
     c10::ArrayRef<bool> mutable_inputs,
     CallSite& site,
-    c10::ArrayRef<bool> capture_mask,
-    const edge_list& caller_edges) {
+    c10::ArrayRef<bool> capture_mask) {
   TORCH_INTERNAL_ASSERT(
       capture_mask.size() == inputs.size() && selects_any(capture_mask));
   RealCall call{entry, inputs, mutable_inputs, site, Capture::kForCaller};
-  auto outputs = run(call, capture_mask, &caller_edges);
-  attach_to_caller(entry, *call.state, caller_edges, outputs);
+  auto outputs = run(call, capture_mask);
+  attach_to_caller(entry, *call.state, outputs);
   return outputs;
 }
 

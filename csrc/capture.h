@@ -54,17 +54,17 @@ CapturedCall run_real_captured(
     c10::ArrayRef<bool> capture_mask);
 
 // An eager differentiable call: captures as run_real_captured for the
-// inputs `capture_mask` selects (at least one), whose edges in the caller's
-// graph are `caller_edges` (one per selected input, in flat order), and
+// inputs `capture_mask` selects (at least one; they require grad), and
 // attaches the captured graph to the caller's (attach_to_caller): the
-// outputs keep its history.
+// outputs keep its history. The function gets leaf tensors among them
+// (parameters) as they are, not as aliases, as the plain function does:
+// their gradients accumulate straight from its graph.
 TensorList run_real_attached(
     const LeafEntry& entry,
     const TensorList& inputs,
     c10::ArrayRef<bool> mutable_inputs,
     CallSite& site,
-    c10::ArrayRef<bool> capture_mask,
-    const torch::autograd::edge_list& caller_edges);
+    c10::ArrayRef<bool> capture_mask);
 
 // Runs `entry`'s fake function, or fails with "requires a fake implementation".
 TensorList run_fake(
@@ -81,16 +81,15 @@ void copy_aliased_outputs(TensorList& outputs, const TensorList& inputs);
 
 // Eager mode: connects a captured call straight into the caller's graph, so
 // that backward runs the captured graph as part of the caller's backward (no
-// replay, no handle): each input sink forwards to `caller_edges[i]`, the
-// caller's edge for captured input i, and the outputs keep the captured
-// graph's edges. When some input is not reached, the outputs instead get one
+// replay, no handle): the edges into the input sink now lead to the
+// caller's edge of that input (the sink's next edge), and the outputs keep
+// the captured graph's edges. When some input is not reached, the outputs instead get one
 // node named after the leaf that routes gradients into the captured graph;
 // those inputs get no gradient, as with the plain function. Retain_graph and
 // create_graph behave exactly as for any autograd graph.
 void attach_to_caller(
     const LeafEntry& entry,
     const CapturedState& state,
-    const torch::autograd::edge_list& caller_edges,
     TensorList& outputs);
 
 } // namespace torchleaf

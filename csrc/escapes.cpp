@@ -33,24 +33,27 @@ std::string describe(const c10::SymIntArrayRef sizes, at::ScalarType dtype) {
 }
 
 // Which nodes a captured call owns. A node belongs to the call exactly when
-// a path leads from it to one of the call's input sinks: the call's graph is
-// what lies between its outputs and its (detached) inputs. Anything else the
-// outputs reach -- a leaf that is not an input (AccumulateGrad), the caller's
-// graph reached through a closure, or nodes of the call that lead only there
-// -- is outside. Sequence numbers cannot decide this: they count per thread,
-// so a closure built on another thread, or a node the function makes on a
-// worker thread, would land on the wrong side.
+// a path leads from it to one of the call's input sinks, or to the
+// AccumulateGrad of an input the function got as it is (passed_through):
+// the call's graph is what lies between its outputs and its inputs.
+// Anything else the outputs reach -- a leaf that is not an input
+// (AccumulateGrad), the caller's graph reached through a closure, or nodes
+// of the call that lead only there -- is outside. Sequence numbers cannot
+// decide this: they count per thread, so a closure built on another thread, or
+// a node the function makes on a worker thread, would land on the wrong side.
 //
 // Nodes are classified by a depth-first walk from the outputs, memoized, and
-// pruned where the answer is known without looking further: sinks (inside),
-// AccumulateGrad (outside), and nodes this thread made before the call
-// (outside: they existed before the sinks, so they have no edge to one; the
-// thread's own sequence numbers do order those).
+// pruned where the answer is known without looking further: sinks and
+// passed-through inputs' AccumulateGrad (inside), other AccumulateGrad
+// (outside), and nodes this thread made before the call (outside: the
+// caller's or a closure's, even where they lead to a passed-through input's
+// AccumulateGrad; the thread's own sequence numbers do order those).
 class CallMembership {
  public:
   CallMembership(const CapturedState& state, uint64_t first_sequence_nr)
       : state_(state),
         first_sequence_nr_(first_sequence_nr),
+        end_sequence_nr_(torch_private::next_sequence_nr()),
         thread_(torch_private::current_thread_id()) {}
 
   // Whether `fn` (not null) belongs to the call: a sink or a node with a
@@ -111,10 +114,10 @@ class CallMembership {
   }
 
  private:
-  enum Mark : uint8_t { kVisiting, kInside, kOutside };
+  enum Mark : uint8_t { kVisiting, kInside, kOutside, kUnknown };
 
   std::optional<bool> quick(const Node* fn) {
-    if (is_own_sink(state_, fn)) {
+    if (is_own_sink(state_, fn) || passed_through_index(state_, fn) >= 0) {
       return true;
     }
     if (is_accumulate_grad(fn)) {
@@ -130,8 +133,27 @@ class CallMembership {
     return std::nullopt;
   }
 
-  // Leaf calls have small graphs: a linear scan, then a hash map.
-  std::optional<Mark> lookup(const Node* fn) const {
+  // The slot of a node this thread made during the call, by its sequence
+  // number (a module argument's call makes hundreds), or nullptr.
+  uint8_t* made_slot(const Node* fn) {
+    const uint64_t seq = fn->sequence_nr();
+    if (seq < first_sequence_nr_ || seq >= end_sequence_nr_ ||
+        fn->thread_id() != thread_) {
+      return nullptr;
+    }
+    if (made_.empty()) {
+      made_.resize(end_sequence_nr_ - first_sequence_nr_, kUnknown);
+    }
+    return &made_[seq - first_sequence_nr_];
+  }
+
+  // Nodes this thread made during the call by sequence number; others
+  // (another thread's) by a linear scan, then a hash map.
+  std::optional<Mark> lookup(const Node* fn) {
+    if (const uint8_t* slot = made_slot(fn)) {
+      return *slot == kUnknown ? std::nullopt
+                               : std::optional<Mark>(Mark(*slot));
+    }
     if (!large_.empty()) {
       auto it = large_.find(fn);
       return it == large_.end() ? std::nullopt
@@ -146,6 +168,10 @@ class CallMembership {
   }
 
   void remember(const Node* fn, Mark mark) {
+    if (uint8_t* slot = made_slot(fn)) {
+      *slot = mark;
+      return;
+    }
     if (large_.empty()) {
       for (auto& [node, m] : small_) {
         if (node == fn) {
@@ -165,7 +191,11 @@ class CallMembership {
   static constexpr size_t kSmall = 32;
   const CapturedState& state_;
   const uint64_t first_sequence_nr_;
+  const uint64_t end_sequence_nr_;
   const uint64_t thread_;
+  // Marks of the nodes made during the call, by sequence number (kUnknown:
+  // not classified yet).
+  c10::SmallVector<uint8_t, 64> made_;
   c10::SmallVector<std::pair<const Node*, Mark>, kSmall> small_;
   std::unordered_map<const Node*, Mark> large_;
   c10::SmallVector<Node*, 16> inside_;
@@ -269,6 +299,10 @@ void walk_captured_graph(
     if (auto i = sink_index(state, edge); i >= 0) {
       state.input_reached[i] = true;
       state.sink_uses.emplace_back(&edge, static_cast<size_t>(i));
+      return;
+    }
+    if (auto i = passed_through_index(state, fn); i >= 0) {
+      state.passed_through[i].reached = true; // (the caller's own edge)
       return;
     }
     if (members.inside(fn)) {

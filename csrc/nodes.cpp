@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <typeinfo>
+
 #include <torchleaf/errors.h>
 
 #include "detach.h"
@@ -61,6 +63,67 @@ variable_list LeafRouter::apply_with_saved(
     const variable_list& inputs,
     torch_private::SwapSavedVariables& /*saved*/) {
   return apply(variable_list(inputs));
+}
+
+namespace {
+
+// The first slot to probe for `tensor` in a table of `size` (a power of
+// two) slots: Fibonacci hashing of the address.
+size_t first_slot(const c10::TensorImpl* tensor, size_t size) {
+  const auto bits = reinterpret_cast<uintptr_t>(tensor) >> 4;
+  return static_cast<size_t>(bits * 0x9E3779B97F4A7C15ull) & (size - 1);
+}
+
+// The slot that holds `tensor`, or the empty slot where it would go.
+size_t find_slot(const CapturedState& state, const c10::TensorImpl* tensor) {
+  const auto& table = state.passed_through_table;
+  const size_t mask = table.size() - 1;
+  for (size_t slot = first_slot(tensor, table.size());;
+       slot = (slot + 1) & mask) {
+    const uint32_t entry = table[slot];
+    if (entry == 0 || state.passed_through[entry - 1].tensor == tensor) {
+      return slot;
+    }
+  }
+}
+
+} // namespace
+
+void reserve_passed_through(CapturedState& state, size_t n) {
+  size_t size = 8;
+  while (size < 2 * n) {
+    size *= 2;
+  }
+  state.passed_through.reserve(n);
+  state.passed_through_table.assign(size, 0);
+}
+
+bool add_passed_through(CapturedState& state, const c10::TensorImpl* tensor) {
+  TORCH_INTERNAL_ASSERT(
+      2 * (state.passed_through.size() + 1) <=
+      state.passed_through_table.size());
+  uint32_t& slot = state.passed_through_table[find_slot(state, tensor)];
+  if (slot != 0) {
+    return false;
+  }
+  state.passed_through.push_back({tensor, false});
+  slot = static_cast<uint32_t>(state.passed_through.size());
+  return true;
+}
+
+int64_t passed_through_index(const CapturedState& state, const Node* node) {
+  // (AccumulateGrad alone has this sequence number; the type check is one
+  // comparison of type_info, where a dynamic_cast walks the hierarchy.)
+  if (state.passed_through.empty() || node == nullptr ||
+      node->sequence_nr() != UINT64_MAX ||
+      typeid(*node) != typeid(torch_private::AccumulateGrad)) {
+    return -1;
+  }
+  const auto* tensor = static_cast<const torch_private::AccumulateGrad*>(node)
+                           ->variable.unsafeGetTensorImpl();
+  return static_cast<int64_t>(
+             state.passed_through_table[find_slot(state, tensor)]) -
+      1;
 }
 
 at::Tensor sink_alias(

@@ -88,6 +88,20 @@ at::Tensor sink_alias(
     CapturedState& state,
     const torch::autograd::Edge* caller_edge = nullptr);
 
+// Makes room in `state` for up to `n` inputs passed through.
+void reserve_passed_through(CapturedState& state, size_t n);
+
+// Records `tensor` as an input passed through as it is, unless it is
+// already one (one tensor passed twice): returns whether it was recorded.
+bool add_passed_through(CapturedState& state, const c10::TensorImpl* tensor);
+
+// The position in state.passed_through of the input whose AccumulateGrad
+// `node` is, or -1 (any other node, or an input the function got as an
+// alias).
+int64_t passed_through_index(
+    const CapturedState& state,
+    const torch::autograd::Node* node);
+
 // Whether `node` is the state's input sink (one load and a compare: walks of
 // a call's graph ask it for every edge, and a module argument gives a call
 // hundreds of inputs).

@@ -48,6 +48,21 @@ struct CapturedState {
   // (Inline capacity: a state is made on every step; each heap block is a
   // malloc and a free on the hot path.)
   c10::SmallVector<bool, 8> input_reached;
+  // Inputs of an eager call that the function got as they are, not as an
+  // alias: leaf tensors (parameters), whose AccumulateGrad the function's
+  // graph reaches directly, as the plain function's does -- no alias,
+  // autograd metadata, caller edge or Python object per parameter and call.
+  // Not captured inputs (the sink has no input for them). `reached`: whether
+  // an output's graph reaches it.
+  struct PassedThrough {
+    const c10::TensorImpl* tensor;
+    bool reached;
+  };
+  c10::SmallVector<PassedThrough, 4> passed_through;
+  // passed_through by tensor, for the walk, which asks for every edge to a
+  // leaf: an open-addressing table of positions + 1 (0: empty), its size a
+  // power of two at least twice the entries (nodes.cpp).
+  c10::SmallVector<uint32_t, 8> passed_through_table;
   // Every edge of the captured graph (node edges and output edges) that
   // leads to an input sink, with that input's index: eager calls rewire them
   // to the caller's graph.

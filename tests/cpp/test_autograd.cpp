@@ -417,6 +417,39 @@ TEST(Autograd, CallerUnderNoGradGetsNoGraph) {
   EXPECT_EQ(torchleaf::live_states(), 0);
 }
 
+// An eager call gives the function its leaf inputs (parameters) as they are,
+// as the plain function gets them: gradients accumulate from the function's
+// own graph, one tensor passed twice beside an activation included, and a
+// body that runs backward through its parameter (a step of training inside)
+// accumulates into its .grad as the plain body does.
+TEST(Autograd, LeafInputsAreTheCallersOwnTensors) {
+  auto trains = [](const TensorList& in) {
+    in[0].pow(2).sum().backward();
+    return TensorList{(in[0] * in[1] * in[2]).sin()};
+  };
+  auto leaf = torchleaf::define_leaf(
+      unique_name("trains"), trains, [](const TensorList& in) {
+        return TensorList{at::empty_like(in[0])};
+      });
+  auto w = torch::randn({3}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto x = torch::randn({3}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto grads = [&](auto&& f) {
+    w.mutable_grad() = at::Tensor();
+    x.mutable_grad() = at::Tensor();
+    auto h = x * 2; // an activation: not a leaf
+    auto inside = f(TensorList{w, h, w})[0];
+    auto w_grad_inside = w.grad().clone();
+    inside.sum().backward();
+    return TensorList{w_grad_inside, w.grad(), x.grad()};
+  };
+  auto expected = grads(trains);
+  auto got = grads(leaf);
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(got[i], expected[i])) << i;
+  }
+  EXPECT_EQ(torchleaf::live_states(), 0);
+}
+
 // A hook the function puts on its input (gradient scaling inside the body)
 // runs in backward, as it does for the plain body: eager calls used to wire
 // the captured graph past the input's node, which holds the hook.

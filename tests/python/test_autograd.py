@@ -698,6 +698,51 @@ def test_a_hook_the_function_puts_on_its_input_runs(backend):
     assert torchleaf.live_states() == 0
 
 
+def test_an_eager_call_gives_the_function_its_leaf_inputs_as_they_are():
+    """An eager call that records autograd passes leaf tensors (a module's
+    parameters) to the function as they are, as the plain function gets
+    them: the function's graph accumulates into their .grad itself, with no
+    alias per parameter and call. Gradients are the plain function's, also
+    for one tensor passed twice beside an activation, and a body that
+    trains its module inside (its own backward through the parameters)
+    does what the plain function does."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3).double()
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    leaves = (*lin.parameters(), w, x)
+
+    def body(m, h, a, b):
+        return m(h) * a + b.exp()
+
+    leaf = _leaf(body, lambda m, h, a, b: torch.empty_like(h))
+
+    def grads(f):
+        for t in leaves:
+            t.grad = None
+        f(lin, x * 2, w, w).sum().backward()  # (x * 2: not a leaf)
+        return [t.grad.clone() for t in leaves]
+
+    torch.testing.assert_close(grads(leaf), grads(body))
+    assert gradcheck(lambda x, w: leaf(lin, x, w, w), (x, w))
+
+    def trains_inside(m, h):
+        m(h).pow(2).sum().backward()
+        with torch.no_grad():
+            return m(h) - m.weight.grad.sum()
+
+    trains = _leaf(trains_inside, lambda m, h: torch.empty_like(h))
+
+    def after_a_step(f):
+        for t in leaves:
+            t.grad = None
+        out = f(lin, x.detach())
+        return out, lin.weight.grad.clone(), lin.bias.grad.clone()
+
+    torch.testing.assert_close(after_a_step(trains), after_a_step(trains_inside))
+    assert torchleaf.live_states() == 0
+
+
 def test_compiled_backward_paths_agree():
     """Traced backward replays small CPU graphs inline and everything else
     with the autograd engine (restricted backward, anomaly mode, hooks);

@@ -127,7 +127,11 @@ def backward_inside_leaf():
         y.backward()
         return x * 2
 
-    leaf_with_fake(trains_inside, torch.empty_like)(torch.ones(2, requires_grad=True))
+    # (An activation: a leaf input of an eager call, such as a parameter, is
+    # the caller's own tensor inside the function, and its .grad accumulates
+    # as with the plain function: test_autograd.py.)
+    x = torch.ones(2, requires_grad=True) * 1
+    leaf_with_fake(trains_inside, torch.empty_like)(x)
 
 
 def module_parameter_replaced():

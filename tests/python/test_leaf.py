@@ -75,8 +75,6 @@ def test_module_parameters_and_buffers_are_inputs():
 
     @torchleaf.leaf_function
     def apply(m, x):
-        # Inside the call the module holds the leaf's inputs (plain tensors
-        # reparametrised in), not its own Parameter and buffer objects.
         w, shift = m.lin.weight, m.shift
         seen.append((type(w), w is weight, shift is buffer, torch.equal(w, weight), torch.equal(shift, buffer)))
         return m.lin(x) + m.shift
@@ -84,8 +82,15 @@ def test_module_parameters_and_buffers_are_inputs():
     m = Norm()
     weight, buffer = m.lin.weight, m.shift
     x = torch.randn(2, 3, requires_grad=True)
+    with torch.no_grad():
+        apply(m, x)
     out = apply(m, x)
-    assert seen == [(torch.Tensor, False, False, True, True)]
+    # Inside a call the module holds the leaf's inputs. Under no_grad those
+    # are plain tensors reparametrised in; an eager call that records
+    # autograd gives the function each parameter itself, as the plain
+    # function sees it, whose gradient then accumulates directly. A buffer
+    # (no gradient) is an alias of the module's.
+    assert seen == [(torch.Tensor, False, False, True, True), (nn.Parameter, True, False, True, True)]
     torch.testing.assert_close(out, m.lin(x) + m.shift)
     out.sum().backward()
     assert m.lin.weight.grad is not None and m.lin.bias.grad is not None

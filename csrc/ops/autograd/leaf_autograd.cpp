@@ -479,16 +479,7 @@ TensorList call_eager_differentiable(
   for (auto i : differentiable) {
     mask[flat.input_positions[i]] = true;
   }
-  // Sinks are created in flat order; match the caller's edges to them.
-  edge_list caller_edges;
-  caller_edges.reserve(differentiable.size());
-  for (size_t pos = 0; pos < flat.tensors.size(); ++pos) {
-    if (mask[pos]) {
-      caller_edges.push_back(torch_private::gradient_edge(flat.tensors[pos]));
-    }
-  }
-  return run_real_attached(
-      entry, flat.tensors, flat.is_mutable, site, mask, caller_edges);
+  return run_real_attached(entry, flat.tensors, flat.is_mutable, site, mask);
 }
 
 } // namespace
