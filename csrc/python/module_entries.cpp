@@ -62,7 +62,32 @@ PyObject* entry(PyObject* dict, PyObject* key) {
   return PyDict_GetItemWithError(dict, key);
 }
 
-// same_entries(root, dicts, keys, values, sized, lengths) -> bool
+// Whether `dict` holds exactly `items` ([key0, value0, key1, ...], the same
+// objects in the same order). One pass over the dict's entries, where a
+// lookup per key would hash and probe: a module argument's dicts hold every
+// parameter, checked twice per call. A key deleted and put back with an
+// equal new object reads as a change (the caller then walks the module
+// again).
+bool holds_in_order(PyObject* dict, PyObject* items) {
+  if (!PyDict_Check(dict) || !PyList_CheckExact(items) ||
+      PyDict_GET_SIZE(dict) * 2 != PyList_GET_SIZE(items)) {
+    return false;
+  }
+  Py_ssize_t pos = 0;
+  Py_ssize_t i = 0;
+  PyObject* key = nullptr;
+  PyObject* value = nullptr;
+  while (PyDict_Next(dict, &pos, &key, &value)) {
+    if (key != PyList_GET_ITEM(items, i) ||
+        value != PyList_GET_ITEM(items, i + 1)) {
+      return false;
+    }
+    i += 2;
+  }
+  return true;
+}
+
+// same_entries(root, dicts, keys, values, sized, contents) -> bool
 PyObject* same_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!check_arity("same_entries", nargs, 6)) {
     return nullptr;
@@ -85,25 +110,22 @@ PyObject* same_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
   }
   for (Py_ssize_t i = 0; i < n_sized; ++i) {
-    PyObject* dict = PyList_GET_ITEM(args[4], i);
-    const Py_ssize_t length = PyLong_AsSsize_t(PyList_GET_ITEM(args[5], i));
-    if (length == -1 && PyErr_Occurred()) {
-      return nullptr;
-    }
-    if (!PyDict_Check(dict) || PyDict_GET_SIZE(dict) != length) {
+    if (!holds_in_order(
+            PyList_GET_ITEM(args[4], i), PyList_GET_ITEM(args[5], i))) {
       Py_RETURN_FALSE;
     }
   }
   Py_RETURN_TRUE;
 }
 
-// swap_entries(dicts, keys, values) -> list of the entries replaced
+// swap_entries(dicts, keys, values[, current]) -> list of the entries
+// replaced
 PyObject* swap_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!check_arity("swap_entries", nargs, 3)) {
+  if (nargs != 3 && !check_arity("swap_entries", nargs, 4)) {
     return nullptr;
   }
   Py_ssize_t n = 0;
-  if (!lists(args, 3, n)) {
+  if (!lists(args, nargs, n)) {
     return nullptr;
   }
   PyObject* old = PyList_New(n);
@@ -113,6 +135,15 @@ PyObject* swap_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* dict = PyList_GET_ITEM(args[0], i);
     PyObject* key = PyList_GET_ITEM(args[1], i);
+    if (nargs == 4 &&
+        PyList_GET_ITEM(args[2], i) == PyList_GET_ITEM(args[3], i)) {
+      // The entry already holds the value (an eager call's parameter, which
+      // the function gets as it is): two dict operations saved per tensor.
+      PyObject* same = PyList_GET_ITEM(args[2], i);
+      Py_INCREF(same);
+      PyList_SET_ITEM(old, i, same);
+      continue;
+    }
     PyObject* found = entry(dict, key);
     if (found == nullptr) {
       if (!PyErr_Occurred()) {
@@ -139,7 +170,9 @@ PyObject* swap_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // restore_entries(dicts, keys, old, expected) -> index of the first entry
-// that did not hold expected[i] (-1 if all did); every entry is old[i] after.
+// that did not hold expected[i] (-1 if all did); every entry is old[i] after,
+// except those where old[i] is expected[i], which are not read or written
+// (swap_entries left them as they were).
 PyObject* restore_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!check_arity("restore_entries", nargs, 4)) {
     return nullptr;
@@ -150,6 +183,9 @@ PyObject* restore_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   Py_ssize_t first_replaced = -1;
   for (Py_ssize_t i = 0; i < n; ++i) {
+    if (PyList_GET_ITEM(args[2], i) == PyList_GET_ITEM(args[3], i)) {
+      continue;
+    }
     PyObject* dict = PyList_GET_ITEM(args[0], i);
     PyObject* key = PyList_GET_ITEM(args[1], i);
     if (first_replaced == -1 &&
@@ -213,21 +249,24 @@ PyMethodDef kFunctions[] = {
     {"same_entries",
      TORCHLEAF_FASTCALL(same_entries),
      METH_FASTCALL,
-     "same_entries(root, dicts, keys, values, sized, lengths) -> bool: whether "
-     "each dicts[i] (root where it is None) maps keys[i] to exactly values[i] "
-     "(identity) and each sized[j] has lengths[j] entries."},
+     "same_entries(root, dicts, keys, values, whole, contents) -> bool: "
+     "whether each dicts[i] (root where it is None) maps keys[i] to exactly "
+     "values[i] (identity), and each whole[j] holds exactly the items "
+     "contents[j] lists ([key0, value0, key1, ...], identity, in order)."},
     {"swap_entries",
      TORCHLEAF_FASTCALL(swap_entries),
      METH_FASTCALL,
-     "swap_entries(dicts, keys, values) -> list: set dicts[i][keys[i]] = "
-     "values[i] and return the entries replaced (KeyError, nothing changed, "
-     "when one is missing)."},
+     "swap_entries(dicts, keys, values[, current]) -> list: set "
+     "dicts[i][keys[i]] = values[i] and return the entries replaced "
+     "(KeyError, nothing changed, when one is missing). With current (what "
+     "the entries hold), an entry whose value is current[i] is left alone."},
     {"restore_entries",
      TORCHLEAF_FASTCALL(restore_entries),
      METH_FASTCALL,
      "restore_entries(dicts, keys, old, expected) -> int: set every "
      "dicts[i][keys[i]] back to old[i]; return the index of the first entry "
-     "that did not hold expected[i] before, or -1."},
+     "that did not hold expected[i] before, or -1. Entries where old[i] is "
+     "expected[i] (swap_entries left them alone) are skipped."},
     {"tensor_versions",
      TORCHLEAF_FASTCALL(tensor_versions),
      METH_FASTCALL,

@@ -104,18 +104,23 @@ def device_type_name(code: int) -> str:
 # _modules.ModuleView decides what to compare and where to write.
 
 def same_entries(
-    root: dict, dicts: list[Optional[dict]], keys: list[Any], values: list[Any], sized: list[dict], lengths: list[int]
+    root: dict, dicts: list[Optional[dict]], keys: list[Any], values: list[Any], whole: list[dict], contents: list[list[Any]]
 ) -> bool:
     """Whether each dicts[i] (root where it is None) maps keys[i] to exactly
-    values[i] (identity) and each sized[j] has lengths[j] entries."""
+    values[i] (identity), and each whole[j] holds exactly the items
+    contents[j] lists ([key0, value0, key1, ...], identity, in order)."""
 
-def swap_entries(dicts: list[dict], keys: list[Any], values: list[Any]) -> list[Any]:
+def swap_entries(
+    dicts: list[dict], keys: list[Any], values: list[Any], current: Optional[list[Any]] = None
+) -> list[Any]:
     """Set dicts[i][keys[i]] = values[i] and return the entries replaced
-    (KeyError, nothing changed, when one is missing)."""
+    (KeyError, nothing changed, when one is missing). With ``current`` (what
+    the entries hold), an entry whose value is current[i] is left alone."""
 
 def restore_entries(dicts: list[dict], keys: list[Any], old: list[Any], expected: list[Any]) -> int:
     """Set every dicts[i][keys[i]] back to old[i]; return the index of the
-    first entry that did not hold expected[i] before, or -1."""
+    first entry that did not hold expected[i] before, or -1. Entries where
+    old[i] is expected[i] (swap_entries left them alone) are skipped."""
 
 def tensor_versions(tensors: list[torch.Tensor]) -> list[Optional[int]]:
     """Each tensor's version counter (None for an inference tensor)."""

@@ -202,9 +202,9 @@ class ModuleView:
 
     __slots__ = (
         "structure", "tensors", "slot_dicts", "slot_keys", "slot_index", "slot_names",
-        "submodules", "parameters", "buffers", "children", "dicts", "lengths",
+        "submodules", "parameters", "buffers", "children", "dicts", "lengths", "contents",
         "entry_dicts", "entry_keys", "entry_values", "check_dicts", "check_keys", "check_values",
-        "slots_in_order",
+        "slots_in_order", "slot_tensors",
     )
 
     def __init__(self, module):
@@ -235,12 +235,12 @@ class ModuleView:
         self.entry_dicts, self.entry_keys, self.entry_values = entry_dicts, entry_keys, entry_values
         # What unchanged() compares, as _C.same_entries takes it: the dicts
         # of the module (None: read from the module's __dict__, which the
-        # view must not hold) and of each submodule, then every entry.
-        self.check_dicts = [None] * 3 + [sub.__dict__ for sub in submodules for _ in _DICT_ATTRS] + entry_dicts
-        self.check_keys = [*_DICT_ATTRS] * len(everything) + entry_keys
-        self.check_values = [
-            d for dicts in zip(self.parameters, self.buffers, self.children) for d in dicts
-        ] + entry_values
+        # view must not hold) and of each submodule by key, then each of
+        # those dicts whole, its items in order (one pass, no lookups).
+        self.check_dicts = [None] * 3 + [sub.__dict__ for sub in submodules for _ in _DICT_ATTRS]
+        self.check_keys = [*_DICT_ATTRS] * len(everything)
+        self.check_values = [d for dicts in zip(self.parameters, self.buffers, self.children) for d in dicts]
+        self.contents = [[x for item in d.items() for x in item] for d in self.dicts]
         # The structure as every other path computes it (named_parameters may
         # be overridden); slots only when the walk found every name there.
         self.structure, self.tensors = module_structure(module)
@@ -263,6 +263,8 @@ class ModuleView:
         self.slot_dicts, self.slot_keys, self.slot_index, self.slot_names = dicts, keys, index, slot_names
         # (The usual case: the call's tensors go to the slots as they come.)
         self.slots_in_order = index == list(range(len(index)))
+        # What the slots hold.
+        self.slot_tensors = self.tensors if self.slots_in_order else [self.tensors[i] for i in index]
 
     def unchanged(self, module, restored=None):
         """Whether `module` still has exactly what the walk saw: the same
@@ -273,7 +275,7 @@ class ModuleView:
         together)."""
         if restored is None:  # (every call, twice: in C)
             return _same_entries(
-                module.__dict__, self.check_dicts, self.check_keys, self.check_values, self.dicts, self.lengths
+                module.__dict__, self.check_dicts, self.check_keys, self.check_values, self.dicts, self.contents
             )
         everything = (module, *self.submodules)
         if not (
@@ -440,7 +442,10 @@ class _Binder:
             return
         own = self.own
         self.new = own if view.slots_in_order else [own[i] for i in view.slot_index]
-        self.old = _swap_entries(view.slot_dicts, view.slot_keys, self.new)
+        # A slot that already holds its call's tensor is left alone: an eager
+        # call gives the function each parameter as it is. (The view was
+        # checked in this call: the slots hold its tensors.)
+        self.old = _swap_entries(view.slot_dicts, view.slot_keys, self.new, view.slot_tensors)
 
     def exit(self):
         if self.ctx is not None:
@@ -459,10 +464,8 @@ class _Binder:
         replaced = _restore_entries(dicts, keys, self.old, self.new)
         if replaced >= 0:
             self.replaced = view.slot_names[replaced]
-        if (
-            self.replaced is None
-            and not view.unchanged(self.module)
-            and not view.unchanged(self.module, {(id(d), key): t for d, key, t in zip(dicts, keys, self.old)})
+        elif not view.unchanged(self.module) and not view.unchanged(
+            self.module, {(id(d), key): t for d, key, t in zip(dicts, keys, self.old)}
         ):
             # Something else changed during the call (a submodule assigned):
             # compare by name, as the function saw the module.
@@ -472,6 +475,10 @@ class _Binder:
                 if current.get(name) is not view.tensors[i]:
                     self.replaced = name
                     break
+        if self.replaced is not None:
+            # The slots restore_entries skipped (never swapped) may hold what
+            # the function put there: every slot gets the module's own back.
+            _swap_entries(dicts, keys, self.old)
 
     def check(self, leaf):
         if self.versions is not None and _tensor_versions(self.own) != self.versions:
