@@ -83,10 +83,10 @@ void copy_aliased_outputs(TensorList& outputs, const TensorList& inputs);
 // that backward runs the captured graph as part of the caller's backward (no
 // replay, no handle): the edges into the input sink now lead to the
 // caller's edge of that input (the sink's next edge), and the outputs keep
-// the captured graph's edges. When some input is not reached, the outputs instead get one
-// node named after the leaf that routes gradients into the captured graph;
-// those inputs get no gradient, as with the plain function. Retain_graph and
-// create_graph behave exactly as for any autograd graph.
+// the captured graph's edges. When some input is not reached, the outputs
+// instead get one node named after the leaf that routes gradients into the
+// captured graph; those inputs get no gradient, as with the plain function.
+// Retain_graph and create_graph behave exactly as for any autograd graph.
 void attach_to_caller(
     const LeafEntry& entry,
     const CapturedState& state,

@@ -477,8 +477,10 @@ class _Binder:
                     break
         if self.replaced is not None:
             # The slots restore_entries skipped (never swapped) may hold what
-            # the function put there: every slot gets the module's own back.
-            _swap_entries(dicts, keys, self.old)
+            # the function put there, or nothing (del): every slot gets the
+            # module's own back. (The error path: a plain loop.)
+            for d, key, tensor in zip(dicts, keys, self.old):
+                d[key] = tensor
 
     def check(self, leaf):
         if self.versions is not None and _tensor_versions(self.own) != self.versions:
