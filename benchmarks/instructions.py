@@ -47,6 +47,8 @@ STAGES = (
     ("grad forward step: torchleaf", "compiled forward recording gradients, outputs dropped, leaf function"),
     ("eager step: plain", "eager fwd+bwd of the inline body"),
     ("eager step: torchleaf", "eager fwd+bwd, leaf function"),
+    ("large module forward: plain", "eager forward of module_args.py's 400-parameter model, inline"),
+    ("large module forward: torchleaf", "the same model as a leaf's module argument"),
     ("forward op", "torchleaf.forward as the graph calls it"),
     ("custom_op op", "the custom_op's operator as its graph calls it"),
     ("runner", "the Python runner (_run_real) the forward op calls"),
@@ -78,6 +80,12 @@ def _stage_callable(name):
         fn = {"plain": body, "custom_op": custom, "torchleaf": leaf}[name.split("step: ")[1]]
         compiled = torch.compile(lambda x: fn(x).sum(), backend=backend, fullgraph=True)
         return lambda: compiled(x).backward()
+    if name.startswith("large module forward: "):
+        import module_args  # (the per-parameter table's model and leaf)
+
+        model, x_small, variants = module_args.model_and_variants()
+        fn = variants[name[len("large module forward: "):]]
+        return lambda: fn(model, x_small)
     if name.startswith("eager step: "):
         fn = {"plain": body, "torchleaf": leaf}[name[len("eager step: "):]]
         return lambda: fn(x).sum().backward()

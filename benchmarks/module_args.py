@@ -36,14 +36,20 @@ def run_model(model, x):
     return model(x)
 
 
-def run(quick=False, log=print):
-    """{(mode key, "plain" | "torchleaf"): Timing}"""
+def model_and_variants():
+    """(model, x, {"plain": inline call, "torchleaf": leaf}), each variant
+    called as f(model, x). (instructions.py counts the eager forward.)"""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(LAYERS)])
     x = torch.randn(4, 8)
     leaf = torchleaf.leaf_function(run_model)
     leaf.register_fake(lambda model, x: x.new_empty(x.shape[0], 8))
-    variants = {"plain": run_model, "torchleaf": leaf}
+    return model, x, {"plain": run_model, "torchleaf": leaf}
+
+
+def run(quick=False, log=print):
+    """{(mode key, "plain" | "torchleaf"): Timing}"""
+    model, x, variants = model_and_variants()
     params = list(model.parameters())
     reference = torch.autograd.grad(run_model(model, x).sum(), params)
     batch, rounds = (2, 3) if quick else (20, 31)
