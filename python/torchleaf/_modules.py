@@ -443,8 +443,10 @@ class _Binder:
         own = self.own
         self.new = own if view.slots_in_order else [own[i] for i in view.slot_index]
         # A slot that already holds its call's tensor is left alone: an eager
-        # call gives the function each parameter as it is. (The view was
-        # checked in this call: the slots hold its tensors.)
+        # call gives the function each parameter as it is. (Only an eager
+        # call's tensors can be the view's own, and an eager call checked its
+        # view moments ago: the slots hold them. A compiled call's are
+        # aliases, all swapped.)
         self.old = _swap_entries(view.slot_dicts, view.slot_keys, self.new, view.slot_tensors)
 
     def exit(self):
