@@ -22,7 +22,6 @@
 namespace torchleaf {
 
 using torch::autograd::Edge;
-using torch::autograd::edge_list;
 
 namespace {
 

@@ -87,15 +87,15 @@ bool holds_in_order(PyObject* dict, PyObject* items) {
   return true;
 }
 
-// same_entries(root, dicts, keys, values, sized, contents) -> bool
+// same_entries(root, dicts, keys, values, whole, contents) -> bool
 PyObject* same_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!check_arity("same_entries", nargs, 6)) {
     return nullptr;
   }
   PyObject* root = args[0];
   Py_ssize_t n = 0;
-  Py_ssize_t n_sized = 0;
-  if (!lists(args + 1, 3, n) || !lists(args + 4, 2, n_sized)) {
+  Py_ssize_t n_whole = 0;
+  if (!lists(args + 1, 3, n) || !lists(args + 4, 2, n_whole)) {
     return nullptr;
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
@@ -109,7 +109,7 @@ PyObject* same_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       Py_RETURN_FALSE;
     }
   }
-  for (Py_ssize_t i = 0; i < n_sized; ++i) {
+  for (Py_ssize_t i = 0; i < n_whole; ++i) {
     if (!holds_in_order(
             PyList_GET_ITEM(args[4], i), PyList_GET_ITEM(args[5], i))) {
       Py_RETURN_FALSE;
@@ -118,14 +118,13 @@ PyObject* same_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
-// swap_entries(dicts, keys, values[, current]) -> list of the entries
-// replaced
+// swap_entries(dicts, keys, values, current) -> list of the entries replaced
 PyObject* swap_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3 && !check_arity("swap_entries", nargs, 4)) {
+  if (!check_arity("swap_entries", nargs, 4)) {
     return nullptr;
   }
   Py_ssize_t n = 0;
-  if (!lists(args, nargs, n)) {
+  if (!lists(args, 4, n)) {
     return nullptr;
   }
   PyObject* old = PyList_New(n);
@@ -135,8 +134,7 @@ PyObject* swap_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* dict = PyList_GET_ITEM(args[0], i);
     PyObject* key = PyList_GET_ITEM(args[1], i);
-    if (nargs == 4 &&
-        PyList_GET_ITEM(args[2], i) == PyList_GET_ITEM(args[3], i)) {
+    if (PyList_GET_ITEM(args[2], i) == PyList_GET_ITEM(args[3], i)) {
       // The entry already holds the value (an eager call's parameter, which
       // the function gets as it is): two dict operations saved per tensor.
       PyObject* same = PyList_GET_ITEM(args[2], i);
@@ -256,10 +254,10 @@ PyMethodDef kFunctions[] = {
     {"swap_entries",
      TORCHLEAF_FASTCALL(swap_entries),
      METH_FASTCALL,
-     "swap_entries(dicts, keys, values[, current]) -> list: set "
+     "swap_entries(dicts, keys, values, current) -> list: set "
      "dicts[i][keys[i]] = values[i] and return the entries replaced "
-     "(KeyError, nothing changed, when one is missing). With current (what "
-     "the entries hold), an entry whose value is current[i] is left alone."},
+     "(KeyError, nothing changed, when one is missing); an entry whose value "
+     "is current[i] (what the entries hold) is left alone."},
     {"restore_entries",
      TORCHLEAF_FASTCALL(restore_entries),
      METH_FASTCALL,

@@ -110,12 +110,10 @@ def same_entries(
     values[i] (identity), and each whole[j] holds exactly the items
     contents[j] lists ([key0, value0, key1, ...], identity, in order)."""
 
-def swap_entries(
-    dicts: list[dict], keys: list[Any], values: list[Any], current: Optional[list[Any]] = None
-) -> list[Any]:
+def swap_entries(dicts: list[dict], keys: list[Any], values: list[Any], current: list[Any]) -> list[Any]:
     """Set dicts[i][keys[i]] = values[i] and return the entries replaced
-    (KeyError, nothing changed, when one is missing). With ``current`` (what
-    the entries hold), an entry whose value is current[i] is left alone."""
+    (KeyError, nothing changed, when one is missing); an entry whose value is
+    current[i] (what the entries hold) is left alone."""
 
 def restore_entries(dicts: list[dict], keys: list[Any], old: list[Any], expected: list[Any]) -> int:
     """Set every dicts[i][keys[i]] back to old[i]; return the index of the

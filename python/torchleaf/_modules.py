@@ -202,7 +202,7 @@ class ModuleView:
 
     __slots__ = (
         "structure", "tensors", "slot_dicts", "slot_keys", "slot_index", "slot_names",
-        "submodules", "parameters", "buffers", "children", "dicts", "lengths", "contents",
+        "submodules", "parameters", "buffers", "children", "dicts", "contents",
         "entry_dicts", "entry_keys", "entry_values", "check_dicts", "check_keys", "check_values",
         "slots_in_order", "slot_tensors",
     )
@@ -231,7 +231,6 @@ class ModuleView:
         self.buffers = list(map(_get_buffers, everything))
         self.children = list(map(_get_modules, everything))
         self.dicts = self.parameters + self.buffers + self.children
-        self.lengths = list(map(len, self.dicts))
         self.entry_dicts, self.entry_keys, self.entry_values = entry_dicts, entry_keys, entry_values
         # What unchanged() compares, as _C.same_entries takes it: the dicts
         # of the module (None: read from the module's __dict__, which the
@@ -282,7 +281,7 @@ class ModuleView:
             all(map(_is, map(_get_parameters, everything), self.parameters))
             and all(map(_is, map(_get_buffers, everything), self.buffers))
             and all(map(_is, map(_get_modules, everything), self.children))
-            and list(map(len, self.dicts)) == self.lengths
+            and all(len(d) * 2 == len(items) for d, items in zip(self.dicts, self.contents))
         ):
             return False
         return all(
