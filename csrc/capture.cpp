@@ -58,9 +58,11 @@ bool selects_any(c10::ArrayRef<bool> mask) {
   return std::find(mask.begin(), mask.end(), true) != mask.end();
 }
 
-// Which differentiable inputs of an eager call the function gets as they
-// are: leaf tensors (parameters), whose gradients the function's graph then
-// accumulates itself, as the plain function's does. Not an input declared
+// Which differentiable inputs the function gets as they are: leaf tensors
+// (parameters), as the plain function gets them. In an eager call the
+// function's graph then accumulates their gradients itself; a call captured
+// for replay gives each a sink input all the same (alias_inputs), and the
+// walk rewires the graph's edges to it. Not an input declared
 // mutable (a leaf that requires grad cannot change in place; its alias can),
 // nor the second of one tensor passed twice (its alias keeps the inputs
 // apart). Records them in state.passed_through; returns a flag per input.
@@ -73,8 +75,11 @@ InputFlags select_passed_through(
   for (size_t i = 0; i < inputs.size(); ++i) {
     const bool is_mutable =
         !call.mutable_inputs.empty() && call.mutable_inputs[i];
+    // (requires_grad: a compiled graph's forward runs without grad mode, and
+    // its intermediate values, which are leaves then, are captured as
+    // differentiable all the same; they need an alias that does.)
     if (capture_mask[i] && !is_mutable && inputs[i].defined() &&
-        inputs[i].is_leaf()) {
+        inputs[i].requires_grad() && inputs[i].is_leaf()) {
       through[i] = true;
       ++leaves;
     }
@@ -94,18 +99,19 @@ InputFlags select_passed_through(
 
 // Step 1: the tensors the function sees. A captured input's alias leads
 // into the state's sink (which forwards to the input's edge in the caller's
-// graph once attached, kForCaller), unless an eager call passes it through
-// as it is (select_passed_through); any other input's is a plain detached
-// alias.
+// graph once attached, kForCaller), unless the input is passed through as
+// it is (select_passed_through; for replay it still takes its place among
+// the sink's inputs); any other input's is a plain detached alias.
 void alias_inputs(RealCall& call, c10::ArrayRef<bool> capture_mask) {
   const auto& inputs = call.inputs;
   call.inner.reserve(inputs.size());
   call.versions.reserve(inputs.size());
   const bool for_caller = call.capture == Capture::kForCaller;
   InputFlags through;
-  if (for_caller) {
+  if (call.capture != Capture::kNone) {
     through = select_passed_through(call, capture_mask);
   }
+  size_t passed = 0; // (passed_through is in input order)
   for (size_t i = 0; i < inputs.size(); ++i) {
     const auto& t = inputs[i];
     TORCHLEAF_CHECK(
@@ -113,7 +119,12 @@ void alias_inputs(RealCall& call, c10::ArrayRef<bool> capture_mask) {
         call.entry.name,
         "received an undefined tensor at input ",
         i);
-    if (for_caller && !through.empty() && through[i]) {
+    if (!through.empty() && through[i]) {
+      if (!for_caller) {
+        call.state->passed_through[passed].sink_input =
+            add_sink_input(t, *call.state);
+      }
+      ++passed;
       call.inner.push_back(t);
     } else if (call.capture != Capture::kNone && capture_mask[i]) {
       if (for_caller) {

@@ -45,7 +45,10 @@ struct CapturedCall {
 // torchleaf::forward's kernel: the function runs under grad mode with the
 // inputs that `capture_mask` selects as the captured graph's inputs, and the
 // graph it builds is returned with the outputs, which are as run_real's.
-// When the mask selects no input, this is run_real (and the state nullptr).
+// The function gets leaf tensors among them that require grad (parameters)
+// as they are; the graph's edges to them are rewired to the state's sink,
+// so that the replay returns their gradients. When the mask selects no
+// input, this is run_real (and the state nullptr).
 CapturedCall run_real_captured(
     const LeafEntry& entry,
     const TensorList& inputs,

@@ -302,8 +302,19 @@ void walk_captured_graph(
       return;
     }
     if (auto i = passed_through_index(state, fn); i >= 0) {
-      state.passed_through[i].reached = true; // (the caller's own edge)
-      return;
+      auto& through = state.passed_through[i];
+      through.reached = true;
+      if (through.sink_input != CapturedState::kNoSinkInput) {
+        // Captured for replay: the gradient stops at the sink, as an
+        // alias's would, and the replay returns it. (A plain assignment,
+        // as attach's rewiring: both nodes are without next edges, so
+        // topological numbers stay right.)
+        const uint32_t input = through.sink_input;
+        edge = Edge(state.sink, input);
+        state.input_reached[input] = true;
+        state.sink_uses.emplace_back(&edge, input);
+      }
+      return; // (eager: the caller's own edge)
     }
     if (members.inside(fn)) {
       return;

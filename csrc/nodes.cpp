@@ -106,7 +106,7 @@ bool add_passed_through(CapturedState& state, const c10::TensorImpl* tensor) {
   if (slot != 0) {
     return false;
   }
-  state.passed_through.push_back({tensor, false});
+  state.passed_through.push_back({tensor, false, CapturedState::kNoSinkInput});
   slot = static_cast<uint32_t>(state.passed_through.size());
   return true;
 }
@@ -126,11 +126,10 @@ int64_t passed_through_index(const CapturedState& state, const Node* node) {
       1;
 }
 
-at::Tensor sink_alias(
+uint32_t add_sink_input(
     const at::Tensor& t,
     CapturedState& state,
     const Edge* caller_edge) {
-  at::Tensor alias = detached(t);
   if (state.input_edges.empty()) {
     state.input_edges.reserve(4);
     state.sink = torch_private::make_node<InputSink>(state.entry, &state);
@@ -138,10 +137,19 @@ at::Tensor sink_alias(
   if (caller_edge != nullptr) {
     state.sink->add_next_edge(*caller_edge);
   }
-  const auto input = state.sink->add_input_metadata(alias);
+  const auto input = state.sink->add_input_metadata(t);
   TORCH_INTERNAL_ASSERT(input == state.input_edges.size());
-  torch_private::set_gradient_edge(alias, Edge(state.sink, input));
   state.input_edges.emplace_back(state.sink, input);
+  return input;
+}
+
+at::Tensor sink_alias(
+    const at::Tensor& t,
+    CapturedState& state,
+    const Edge* caller_edge) {
+  at::Tensor alias = detached(t);
+  const auto input = add_sink_input(alias, state, caller_edge);
+  torch_private::set_gradient_edge(alias, Edge(state.sink, input));
   return alias;
 }
 

@@ -80,6 +80,15 @@ struct LeafRouter final : public torch::autograd::Node {
   LeafEntryPtr entry_;
 };
 
+// Adds input metadata for `t` to the state's sink (made for the call's first
+// captured input) and its edge to state.input_edges: the next captured
+// input. `caller_edge`, if any, is where the sink forwards its gradient once
+// activated. Returns the sink's input number.
+uint32_t add_sink_input(
+    const at::Tensor& t,
+    CapturedState& state,
+    const torch::autograd::Edge* caller_edge = nullptr);
+
 // An alias of `t` whose gradient flows into the state's sink (made for the
 // call's first captured input), recorded in `state`. `caller_edge`, if any,
 // is where the sink forwards it once activated.

@@ -48,15 +48,21 @@ struct CapturedState {
   // (Inline capacity: a state is made on every step; each heap block is a
   // malloc and a free on the hot path.)
   c10::SmallVector<bool, 8> input_reached;
-  // Inputs of an eager call that the function got as they are, not as an
-  // alias: leaf tensors (parameters), whose AccumulateGrad the function's
-  // graph reaches directly, as the plain function's does -- no alias,
-  // autograd metadata, caller edge or Python object per parameter and call.
-  // Not captured inputs (the sink has no input for them). `reached`: whether
-  // an output's graph reaches it.
+  // Inputs that the function got as they are, not as an alias: leaf
+  // tensors (parameters), whose AccumulateGrad the function's graph reaches
+  // directly, as the plain function's does -- no alias, autograd metadata
+  // or Python object per parameter and call. In an eager call they are not
+  // captured inputs (the graph stays connected to their AccumulateGrad, and
+  // the sink has no input for them: sink_input is kNoSinkInput); in a call
+  // captured for replay the walk rewires the graph's edges to their
+  // AccumulateGrad into sink input `sink_input`, so that the replay returns
+  // their gradients (and the graph holds no edge of the caller's).
+  // `reached`: whether an output's graph reaches it.
+  static constexpr uint32_t kNoSinkInput = UINT32_MAX;
   struct PassedThrough {
     const c10::TensorImpl* tensor;
     bool reached;
+    uint32_t sink_input;
   };
   c10::SmallVector<PassedThrough, 4> passed_through;
   // passed_through by tensor, for the walk, which asks for every edge to a

@@ -32,7 +32,10 @@ import torch
 from ._errors import LeafFunctionError
 from ._modules import HANDLE_ATTR, ModuleStructure, ModuleView
 
-_Tensor = torch.Tensor
+# The tensor types whose data_ptr() is their data's address: a compiled
+# call's tensors are plain tensors, or the module's own Parameters (passed
+# through as they are); subclasses (fake, functional) may have none.
+_PLAIN_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _LOCK = threading.RLock()  # (weakref callbacks may run while it is held)
 
 # The classes of module arguments that compiled calls traced, by name:
@@ -140,7 +143,7 @@ def find(leaf, structure: ModuleStructure, tensors) -> tuple:
     call's ``tensors`` are (its own, or aliases of them)."""
     # (The first tensor's address, as data_key gives it, inline: this runs
     # for each module argument of each compiled call.)
-    key: Optional[int] = tensors[0].data_ptr() if tensors and type(tensors[0]) is _Tensor else 0
+    key: Optional[int] = tensors[0].data_ptr() if tensors and type(tensors[0]) in _PLAIN_TENSOR_TYPES else 0
     if key:
         entries = _BY_KEY.get(key)
         if entries is not None and len(entries) == 1:
@@ -154,7 +157,7 @@ def find(leaf, structure: ModuleStructure, tensors) -> tuple:
                     view.unchanged(module)
                     and (view.structure is structure or view.structure == structure)
                     and view.tensors[0].data_ptr() == key
-                    and type(tensors[-1]) is _Tensor
+                    and type(tensors[-1]) in _PLAIN_TENSOR_TYPES
                     and view.tensors[len(tensors) - 1].data_ptr() == tensors[-1].data_ptr()
                 ):
                     return module, view

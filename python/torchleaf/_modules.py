@@ -441,11 +441,11 @@ class _Binder:
             return
         own = self.own
         self.new = own if view.slots_in_order else [own[i] for i in view.slot_index]
-        # A slot that already holds its call's tensor is left alone: an eager
-        # call gives the function each parameter as it is. (Only an eager
-        # call's tensors can be the view's own, and an eager call checked its
-        # view moments ago: the slots hold them. A compiled call's are
-        # aliases, all swapped.)
+        # A slot that already holds its call's tensor is left alone: a call
+        # that records gradients gives the function each parameter as it is.
+        # (The view was checked moments ago -- by an eager call, or by the
+        # compiled call's module lookup -- so the slots hold the view's
+        # tensors; the rest of a call's tensors are aliases, swapped in.)
         self.old = _swap_entries(view.slot_dicts, view.slot_keys, self.new, view.slot_tensors)
 
     def exit(self):

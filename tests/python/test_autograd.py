@@ -743,6 +743,60 @@ def test_an_eager_call_gives_the_function_its_leaf_inputs_as_they_are():
     assert torchleaf.live_states() == 0
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_call_gives_the_function_its_parameters_as_they_are(backend):
+    """A compiled call passes a module's parameters to the function as they
+    are too (no alias per parameter and call); its captured graph still
+    ends in the call's own sink, so the compiled backward gets their
+    gradients from the replay and accumulates them once: a hook on a
+    parameter runs once per backward, as with the plain model. The blocks'
+    activations, which a compiled forward holds without grad, are not
+    leaves to pass through: each block's input gets its gradient."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.norm = nn.LayerNorm(4)
+
+    seen = []
+
+    def layer(block, x):
+        if id(block) in own:  # (not the plain model's)
+            seen.append(type(block.lin.weight) is nn.Parameter and block.lin.weight is own[id(block)])
+        return block.norm(block.lin(x)).relu() + x
+
+    leaf = _leaf(layer, lambda block, x: torch.empty_like(x))
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([Block() for _ in range(3)])
+    plain = nn.ModuleList([Block() for _ in range(3)])
+    plain.load_state_dict(blocks.state_dict())
+    own = {id(b): b.lin.weight for b in blocks}
+    hooked = []
+    blocks[1].lin.weight.register_hook(lambda g: hooked.append(1) or g * 2)
+    plain[1].lin.weight.register_hook(lambda g: g * 2)
+
+    def model(blocks, x, fn):
+        for b in blocks:
+            x = fn(b, x)
+        return x.square().sum()
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    x = torch.randn(5, 4, requires_grad=True)
+    for step in range(2):
+        for m in (blocks, plain):
+            m.zero_grad(set_to_none=True)
+        compiled(blocks, x, leaf).backward()
+        got = [x.grad] + [p.grad for p in blocks.parameters()]
+        x.grad = None
+        model(plain, x, layer).backward()
+        want = [x.grad] + [p.grad for p in plain.parameters()]
+        x.grad = None
+        torch.testing.assert_close(got, want)
+        assert len(hooked) == step + 1
+    assert seen and all(seen)
+    assert torchleaf.live_states() == 0
+
 def test_compiled_backward_paths_agree():
     """Traced backward replays small CPU graphs inline and everything else
     with the autograd engine (restricted backward, anomaly mode, hooks);
