@@ -234,7 +234,8 @@ void own_outputs(RealCall& call, TensorList& outputs) {
     // outputs_as_returned), as the plain function does; an output that
     // copy_aliased_outputs replaced is no longer the held one.)
     if (held_elsewhere(call.site, out) ||
-        (out.has_storage() && out.storage().use_count() > 1)) {
+        (out.has_storage() && out.storage().use_count() > 1 &&
+         !torch_private::is_view_of_unheld_base(out))) {
       out = out.clone();
     }
   }

@@ -114,10 +114,17 @@ TensorList replay(
       // outputs, and Inductor reuses a dead one's buffer for an in-place
       // kernel. A gradient may share storage with another one or with an
       // incoming gradient (AddBackward passes one tensor to both inputs),
-      // or be a tensor the captured graph holds; it gets its own copy.
+      // or be a tensor the captured graph holds; it gets its own copy. (Not
+      // a view of a temporary that only the view holds: a Linear's weight
+      // gradient, the transpose of a matrix product.)
+      // (Contiguous when strided, as torchleaf::backward returns them: one
+      // copy, not two.)
       if (out[i].use_count() > 1 ||
-          (out[i].has_storage() && out[i].storage().use_count() > 1)) {
-        out[i] = out[i].clone();
+          (out[i].has_storage() && out[i].storage().use_count() > 1 &&
+           !torch_private::is_view_of_unheld_base(out[i]))) {
+        out[i] = out[i].layout() == at::kStrided
+            ? out[i].clone(at::MemoryFormat::Contiguous)
+            : out[i].clone();
       }
     } else {
       // The fake cannot show which inputs are used, so traced backward

@@ -26,6 +26,7 @@
 // PRIVATE-API: torch::autograd::AnomalyMode::is_enabled — inline replay: anomaly mode goes to the engine
 // PRIVATE-API: at::impl::ThreadLocalPythonObjects — setting aside the Python context PyTorch's backward stashes, during a replay
 // PRIVATE-API: torch::autograd::impl::get_autograd_meta — forward-mode tangent check without autograd's locks (AutogradMeta::fw_grad_, is_view_)
+// PRIVATE-API: torch::autograd::impl::get_view_autograd_meta — a view's base (DifferentiableViewMeta, ViewInfo::base_): a gradient or output that is a view of a tensor nothing else holds needs no copy
 // PRIVATE-API: torch::autograd::impl::gradient_edge — a tensor's edge in the caller's graph and a captured output's
 // PRIVATE-API: torch::autograd::impl::set_gradient_edge — pointing an input alias at its sink
 // PRIVATE-API: torch::autograd::set_history — putting torchleaf's nodes behind outputs
@@ -116,6 +117,25 @@ inline bool jit_tracing() {
 inline bool may_have_forward_grad(const at::Tensor& t) {
   const auto* meta = torch::autograd::impl::get_autograd_meta(t);
   return meta != nullptr && (meta->fw_grad_ || meta->is_view_);
+}
+
+// Whether `t`'s data is held only by `t` and by its own base, which nothing
+// else holds: a view that autograd's view tracking made of a temporary (the
+// weight gradient TBackward gives, `grad.t()` of a matrix product; the
+// view's metadata keeps its base alive under no_grad too). Its storage is
+// then shared in name only. (Conservative: a view whose forward view
+// information holds the base apart answers false.)
+inline bool is_view_of_unheld_base(const at::Tensor& t) {
+  if (!t.is_view() || !t.has_storage() || t.storage().use_count() != 2) {
+    return false;
+  }
+  auto* meta = torch::autograd::impl::get_view_autograd_meta(t);
+  if (meta == nullptr || !meta->has_bw_view()) {
+    return false;
+  }
+  const auto& base = meta->get_backward_view().base_;
+  return base.use_count() == 1 && base.has_storage() &&
+      base.storage().is_alias_of(t.storage());
 }
 
 // t.detach() of a plain tensor (one TensorImpl, its version counter shared).

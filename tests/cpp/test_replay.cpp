@@ -567,27 +567,30 @@ TEST(Replay, GradientsNeverShareStorageWithEachOtherOrTheIncomingGradients) {
   // incoming gradient through: a compiled backward graph owns the outputs
   // of torchleaf::backward and Inductor reuses their buffers in place, so
   // each must be a tensor of its own.
+  // (in[3], broadcast, gets a reduction of the incoming gradient: a view of
+  // a temporary, its own.)
   auto leaf =
       torchleaf::define_leaf(unique_name("alias"), [](const TensorList& in) {
         auto s = probe(in[0] + in[1]);
-        return TensorList{s, in[2].clone()};
+        return TensorList{s, in[2].clone() + in[3]};
       });
-  auto [outputs, state] =
-      forward(leaf, {randn({3}), randn({3}), randn({3})}, {0, 1, 2});
+  auto [outputs, state] = forward(
+      leaf, {randn({3}), randn({3}), randn({2, 3}), randn({3})}, {0, 1, 2, 3});
   for (bool inline_replay : {true, false}) {
     SCOPED_TRACE(inline_replay);
     auto g0 = randn({3});
-    auto g1 = randn({3});
+    auto g1 = randn({2, 3});
     auto g = replay(
         leaf,
         state,
         {g0, g1},
         inline_replay,
         inline_replay && kInlineSupported ? Path::Inline : Path::Engine);
-    ASSERT_EQ(g.size(), 3u);
+    ASSERT_EQ(g.size(), 4u);
     EXPECT_TRUE(torch::equal(g[0], g0));
     EXPECT_TRUE(torch::equal(g[1], g0));
     EXPECT_TRUE(torch::equal(g[2], g1));
+    EXPECT_TRUE(torch::allclose(g[3], g1.sum(0)));
     for (size_t i = 0; i < g.size(); ++i) {
       EXPECT_FALSE(g[i].is_alias_of(g0) || g[i].is_alias_of(g1))
           << "gradient " << i;
@@ -625,4 +628,26 @@ TEST(Replay, OnlyPyTorchFormulasAndTorchleafNodesCountAsPythonFree) {
   // Anything else may run Python: a custom autograd::Function's node (here
   // C++, in general an extension's or PyTorch's Python autograd.Function).
   EXPECT_FALSE(torchleaf::runs_without_python(*probe(x).grad_fn()));
+}
+
+TEST(Replay, ViewsOfTemporariesNeedNoCopy) {
+  // torch_private::is_view_of_unheld_base: the weight gradient of a matrix
+  // product is a transposed view whose base (the product) only the view
+  // holds, and at::sum_to's broadcast reduction a view of its sum; their
+  // data is theirs alone. A view of a tensor something else holds, or two
+  // views of one base, are shared.
+  at::AutoGradMode no_grad(false); // (as replays run nodes)
+  using torchleaf::torch_private::is_view_of_unheld_base;
+  auto temporary = [] { return randn({3, 2}).mm(randn({2, 4})); };
+  auto transposed_temporary = [&] { return temporary().t(); };
+  EXPECT_TRUE(is_view_of_unheld_base(transposed_temporary()));
+  EXPECT_TRUE(is_view_of_unheld_base(at::sum_to(randn({5, 3}), at::IntArrayRef{3})));
+  auto held = temporary();
+  EXPECT_FALSE(is_view_of_unheld_base(held.t()));
+  auto first = transposed_temporary();
+  EXPECT_TRUE(is_view_of_unheld_base(first));
+  auto second = first.narrow(0, 0, 2);
+  EXPECT_FALSE(is_view_of_unheld_base(first));
+  EXPECT_FALSE(is_view_of_unheld_base(second));
+  EXPECT_FALSE(is_view_of_unheld_base(temporary()));
 }
