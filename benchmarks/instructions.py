@@ -18,6 +18,9 @@ named "inductor"):
 - the compiled forward without gradients (inference) for custom_op and the
   leaf;
 - the eager fwd+bwd step for the inline body and the leaf;
+- leaf_heavy.py's training step (N = 10 blocks, fwd + bwd + SGD): the plain
+  model run eagerly, the floor of a leaf-heavy model, and the leaf per block
+  under Inductor;
 - the operators the leaf's compiled graphs call, one level down at a time:
   ``torchleaf.forward`` (called as the FX graph calls it), the Python runner
   it calls, the body with and without autograd recording, and
@@ -47,6 +50,8 @@ STAGES = (
     ("grad forward step: torchleaf", "compiled forward recording gradients, outputs dropped, leaf function"),
     ("eager step: plain", "eager fwd+bwd of the inline body"),
     ("eager step: torchleaf", "eager fwd+bwd, leaf function"),
+    ("leaf-heavy step: plain eager", "leaf_heavy.py's training step, N = 10, the plain model run eagerly (a leaf's floor)"),
+    ("leaf-heavy step: torchleaf inductor", "the same step, a leaf per block, compiled with Inductor"),
     ("large module forward: plain", "eager forward of module_args.py's 400-parameter model, inline"),
     ("large module forward: torchleaf", "the same model as a leaf's module argument"),
     ("forward op", "torchleaf.forward as the graph calls it"),
@@ -75,6 +80,15 @@ def _stage_callable(name):
         compiled = torch.compile(lambda x: fn(x).sum(), backend="aot_eager", fullgraph=True)
         given = x.detach() if name.startswith("inference") else x
         return lambda: compiled(given)
+    if name.startswith("leaf-heavy step: "):
+        import leaf_heavy  # (the leaf-heavy table's model and step)
+
+        # (Not the plain model under Inductor: its kernels die of an illegal
+        # instruction under this Valgrind.)
+        variant = name[len("leaf-heavy step: "):]
+        impl, mode = {"plain eager": ("plain", "eager"), "torchleaf inductor": ("torchleaf", "inductor")}[variant]
+        step, _ = leaf_heavy.make_step(10, impl, mode)
+        return step
     if "step: " in name and not name.startswith("eager"):
         backend = "inductor" if name.startswith("inductor") else "aot_eager"
         fn = {"plain": body, "custom_op": custom, "torchleaf": leaf}[name.split("step: ")[1]]

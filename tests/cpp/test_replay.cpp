@@ -641,7 +641,8 @@ TEST(Replay, ViewsOfTemporariesNeedNoCopy) {
   auto temporary = [] { return randn({3, 2}).mm(randn({2, 4})); };
   auto transposed_temporary = [&] { return temporary().t(); };
   EXPECT_TRUE(is_view_of_unheld_base(transposed_temporary()));
-  EXPECT_TRUE(is_view_of_unheld_base(at::sum_to(randn({5, 3}), at::IntArrayRef{3})));
+  EXPECT_TRUE(
+      is_view_of_unheld_base(at::sum_to(randn({5, 3}), at::IntArrayRef{3})));
   auto held = temporary();
   EXPECT_FALSE(is_view_of_unheld_base(held.t()));
   auto first = transposed_temporary();
