@@ -797,6 +797,7 @@ def test_a_compiled_call_gives_the_function_its_parameters_as_they_are(backend):
     assert seen and all(seen)
     assert torchleaf.live_states() == 0
 
+
 def test_compiled_backward_paths_agree():
     """Traced backward replays small CPU graphs inline and everything else
     with the autograd engine (restricted backward, anomaly mode, hooks);
