@@ -112,11 +112,7 @@ bool add_passed_through(CapturedState& state, const c10::TensorImpl* tensor) {
 }
 
 int64_t passed_through_index(const CapturedState& state, const Node* node) {
-  // (AccumulateGrad alone has this sequence number; the type check is one
-  // comparison of type_info, where a dynamic_cast walks the hierarchy.)
-  if (state.passed_through.empty() || node == nullptr ||
-      node->sequence_nr() != UINT64_MAX ||
-      typeid(*node) != typeid(torch_private::AccumulateGrad)) {
+  if (state.passed_through.empty() || !is_accumulate_grad(node)) {
     return -1;
   }
   const auto* tensor = static_cast<const torch_private::AccumulateGrad*>(node)
@@ -169,11 +165,13 @@ int64_t sink_index(const CapturedState& state, const Edge& edge) {
 }
 
 // PyTorch makes AccumulateGrad nodes with sequence number UINT64_MAX, which
-// rules out the body's nodes before a dynamic_cast (~370 instructions each).
-// test_autograd.cpp (LeafTensorsMadeInsideAreOutputsNotEscapes) pins it.
+// rules out the body's nodes with one load; the type check is then one
+// comparison of type_info (a dynamic_cast walks the hierarchy, ~370
+// instructions; AccumulateGrad has no subclasses). test_autograd.cpp
+// (LeafTensorsMadeInsideAreOutputsNotEscapes) pins it.
 bool is_accumulate_grad(const Node* fn) {
   return fn != nullptr && fn->sequence_nr() == UINT64_MAX &&
-      dynamic_cast<const torch_private::AccumulateGrad*>(fn) != nullptr;
+      typeid(*fn) == typeid(torch_private::AccumulateGrad);
 }
 
 bool has_hooks(Node& fn) {

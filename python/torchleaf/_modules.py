@@ -203,12 +203,12 @@ class ModuleView:
     __slots__ = (
         "structure", "tensors", "slot_dicts", "slot_keys", "slot_index", "slot_names",
         "submodules", "parameters", "buffers", "children", "dicts", "contents",
-        "entry_dicts", "entry_keys", "entry_values", "check_dicts", "check_keys", "check_values",
+        "check_dicts", "check_keys", "check_values",
         "slots_in_order", "slot_tensors",
     )
 
     def __init__(self, module):
-        submodules, entry_dicts, entry_keys, entry_values = [], [], [], []
+        submodules = []
         where = {}  # name -> (owner dict, key)
         for prefix, sub in module.named_modules(remove_duplicate=False):
             if sub is not module:
@@ -216,22 +216,14 @@ class ModuleView:
             dot = prefix + "." if prefix else ""
             for d in (sub._parameters, sub._buffers):
                 for key, t in d.items():
-                    entry_dicts.append(d)
-                    entry_keys.append(key)
-                    entry_values.append(t)
                     if t is not None:
                         where[dot + key] = (d, key)
-            for key, child in sub._modules.items():
-                entry_dicts.append(sub._modules)
-                entry_keys.append(key)
-                entry_values.append(child)
         self.submodules = submodules
         everything = [module, *submodules]
         self.parameters = list(map(_get_parameters, everything))
         self.buffers = list(map(_get_buffers, everything))
         self.children = list(map(_get_modules, everything))
         self.dicts = self.parameters + self.buffers + self.children
-        self.entry_dicts, self.entry_keys, self.entry_values = entry_dicts, entry_keys, entry_values
         # What unchanged() compares, as _C.same_entries takes it: the dicts
         # of the module (None: read from the module's __dict__, which the
         # view must not hold) and of each submodule by key, then each of
@@ -286,7 +278,8 @@ class ModuleView:
             return False
         return all(
             d.get(key) is restored.get((id(d), key), value)
-            for d, key, value in zip(self.entry_dicts, self.entry_keys, self.entry_values)
+            for d, items in zip(self.dicts, self.contents)
+            for key, value in zip(items[::2], items[1::2])
         )
 
 
