@@ -22,6 +22,7 @@
 #include "../registry.h"
 #include "../state.h"
 #include "../torch_private.h"
+#include "module_call.h"
 #include "module_entries.h"
 #include "operator_entries.h"
 
@@ -527,4 +528,5 @@ PYBIND11_MODULE(_C, m) {
       },
       "The name ('cpu', 'cuda', ...) of a c10::DeviceType code.");
   add_module_entry_functions(m);
+  add_module_call(m);
 }

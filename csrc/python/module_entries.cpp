@@ -87,57 +87,51 @@ bool holds_in_order(PyObject* dict, PyObject* items) {
   return true;
 }
 
-// same_entries(root, dicts, keys, values, whole, contents) -> bool
-PyObject* same_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!check_arity("same_entries", nargs, 6)) {
-    return nullptr;
-  }
-  PyObject* root = args[0];
-  Py_ssize_t n = 0;
-  Py_ssize_t n_whole = 0;
-  if (!lists(args + 1, 3, n) || !lists(args + 4, 2, n_whole)) {
-    return nullptr;
-  }
+} // namespace
+
+int same_entries(
+    PyObject* root,
+    PyObject* dicts,
+    PyObject* keys,
+    PyObject* values,
+    PyObject* whole,
+    PyObject* contents) {
+  const Py_ssize_t n = PyList_GET_SIZE(dicts);
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* dict = PyList_GET_ITEM(args[1], i);
+    PyObject* dict = PyList_GET_ITEM(dicts, i);
     PyObject* found =
-        entry(dict == Py_None ? root : dict, PyList_GET_ITEM(args[2], i));
-    if (found != PyList_GET_ITEM(args[3], i)) {
-      if (PyErr_Occurred()) {
-        return nullptr;
-      }
-      Py_RETURN_FALSE;
+        entry(dict == Py_None ? root : dict, PyList_GET_ITEM(keys, i));
+    if (found != PyList_GET_ITEM(values, i)) {
+      return PyErr_Occurred() ? -1 : 0;
     }
   }
+  const Py_ssize_t n_whole = PyList_GET_SIZE(whole);
   for (Py_ssize_t i = 0; i < n_whole; ++i) {
     if (!holds_in_order(
-            PyList_GET_ITEM(args[4], i), PyList_GET_ITEM(args[5], i))) {
-      Py_RETURN_FALSE;
+            PyList_GET_ITEM(whole, i), PyList_GET_ITEM(contents, i))) {
+      return 0;
     }
   }
-  Py_RETURN_TRUE;
+  return 1;
 }
 
-// swap_entries(dicts, keys, values, current) -> list of the entries replaced
-PyObject* swap_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!check_arity("swap_entries", nargs, 4)) {
-    return nullptr;
-  }
-  Py_ssize_t n = 0;
-  if (!lists(args, 4, n)) {
-    return nullptr;
-  }
+PyObject* swap_entries(
+    PyObject* dicts,
+    PyObject* keys,
+    PyObject* values,
+    PyObject* current) {
+  const Py_ssize_t n = PyList_GET_SIZE(dicts);
   PyObject* old = PyList_New(n);
   if (old == nullptr) {
     return nullptr;
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* dict = PyList_GET_ITEM(args[0], i);
-    PyObject* key = PyList_GET_ITEM(args[1], i);
-    if (PyList_GET_ITEM(args[2], i) == PyList_GET_ITEM(args[3], i)) {
-      // The entry already holds the value (an eager call's parameter, which
-      // the function gets as it is): two dict operations saved per tensor.
-      PyObject* same = PyList_GET_ITEM(args[2], i);
+    PyObject* dict = PyList_GET_ITEM(dicts, i);
+    PyObject* key = PyList_GET_ITEM(keys, i);
+    if (PyList_GET_ITEM(values, i) == PyList_GET_ITEM(current, i)) {
+      // The entry already holds the value (a parameter the function gets
+      // as it is): two dict operations saved per tensor.
+      PyObject* same = PyList_GET_ITEM(values, i);
       Py_INCREF(same);
       PyList_SET_ITEM(old, i, same);
       continue;
@@ -150,15 +144,15 @@ PyObject* swap_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     } else {
       Py_INCREF(found);
       PyList_SET_ITEM(old, i, found);
-      if (PyDict_SetItem(dict, key, PyList_GET_ITEM(args[2], i)) == 0) {
+      if (PyDict_SetItem(dict, key, PyList_GET_ITEM(values, i)) == 0) {
         continue;
       }
     }
     // Undo what was written: the module keeps its own tensors.
     for (Py_ssize_t j = 0; j < i; ++j) {
       PyDict_SetItem(
-          PyList_GET_ITEM(args[0], j),
-          PyList_GET_ITEM(args[1], j),
+          PyList_GET_ITEM(dicts, j),
+          PyList_GET_ITEM(keys, j),
           PyList_GET_ITEM(old, j));
     }
     Py_DECREF(old);
@@ -167,39 +161,83 @@ PyObject* swap_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return old;
 }
 
-// restore_entries(dicts, keys, old, expected) -> index of the first entry
-// that did not hold expected[i] (-1 if all did); every entry is old[i] after,
-// except those where old[i] is expected[i], which are not read or written
-// (swap_entries left them as they were).
-PyObject* restore_entries(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!check_arity("restore_entries", nargs, 4)) {
-    return nullptr;
-  }
-  Py_ssize_t n = 0;
-  if (!lists(args, 4, n)) {
-    return nullptr;
-  }
+Py_ssize_t restore_entries(
+    PyObject* dicts,
+    PyObject* keys,
+    PyObject* old,
+    PyObject* expected) {
+  const Py_ssize_t n = PyList_GET_SIZE(dicts);
   Py_ssize_t first_replaced = -1;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (PyList_GET_ITEM(args[2], i) == PyList_GET_ITEM(args[3], i)) {
+    if (PyList_GET_ITEM(old, i) == PyList_GET_ITEM(expected, i)) {
       continue;
     }
-    PyObject* dict = PyList_GET_ITEM(args[0], i);
-    PyObject* key = PyList_GET_ITEM(args[1], i);
+    PyObject* dict = PyList_GET_ITEM(dicts, i);
+    PyObject* key = PyList_GET_ITEM(keys, i);
     if (first_replaced == -1 &&
-        entry(dict, key) != PyList_GET_ITEM(args[3], i)) {
+        entry(dict, key) != PyList_GET_ITEM(expected, i)) {
       PyErr_Clear(); // (a failing lookup counts as replaced)
       first_replaced = i;
     }
     if (!PyDict_Check(dict) ||
-        PyDict_SetItem(dict, key, PyList_GET_ITEM(args[2], i)) != 0) {
+        PyDict_SetItem(dict, key, PyList_GET_ITEM(old, i)) != 0) {
       if (!PyErr_Occurred()) {
         PyErr_SetString(PyExc_TypeError, "torchleaf: expected dicts");
       }
-      return nullptr;
+      return -2;
     }
   }
-  return PyLong_FromSsize_t(first_replaced);
+  return first_replaced;
+}
+
+namespace {
+
+// same_entries(root, dicts, keys, values, whole, contents) -> bool
+PyObject* same_entries_entry(
+    PyObject*,
+    PyObject* const* args,
+    Py_ssize_t nargs) {
+  if (!check_arity("same_entries", nargs, 6)) {
+    return nullptr;
+  }
+  Py_ssize_t n = 0;
+  Py_ssize_t n_whole = 0;
+  if (!lists(args + 1, 3, n) || !lists(args + 4, 2, n_whole)) {
+    return nullptr;
+  }
+  const int same =
+      same_entries(args[0], args[1], args[2], args[3], args[4], args[5]);
+  if (same < 0) {
+    return nullptr;
+  }
+  return PyBool_FromLong(same);
+}
+
+// swap_entries(dicts, keys, values, current) -> list of the entries replaced
+PyObject* swap_entries_entry(
+    PyObject*,
+    PyObject* const* args,
+    Py_ssize_t nargs) {
+  Py_ssize_t n = 0;
+  if (!check_arity("swap_entries", nargs, 4) || !lists(args, 4, n)) {
+    return nullptr;
+  }
+  return swap_entries(args[0], args[1], args[2], args[3]);
+}
+
+// restore_entries(dicts, keys, old, expected) -> index of the first entry
+// that did not hold expected[i] (-1 if all did)
+PyObject* restore_entries_entry(
+    PyObject*,
+    PyObject* const* args,
+    Py_ssize_t nargs) {
+  Py_ssize_t n = 0;
+  if (!check_arity("restore_entries", nargs, 4) || !lists(args, 4, n)) {
+    return nullptr;
+  }
+  const Py_ssize_t replaced =
+      restore_entries(args[0], args[1], args[2], args[3]);
+  return replaced == -2 ? nullptr : PyLong_FromSsize_t(replaced);
 }
 
 // tensor_versions(tensors) -> list of each tensor's version counter (None
@@ -245,21 +283,21 @@ PyObject* tensor_versions(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 PyMethodDef kFunctions[] = {
     {"same_entries",
-     TORCHLEAF_FASTCALL(same_entries),
+     TORCHLEAF_FASTCALL(same_entries_entry),
      METH_FASTCALL,
      "same_entries(root, dicts, keys, values, whole, contents) -> bool: "
      "whether each dicts[i] (root where it is None) maps keys[i] to exactly "
      "values[i] (identity), and each whole[j] holds exactly the items "
      "contents[j] lists ([key0, value0, key1, ...], identity, in order)."},
     {"swap_entries",
-     TORCHLEAF_FASTCALL(swap_entries),
+     TORCHLEAF_FASTCALL(swap_entries_entry),
      METH_FASTCALL,
      "swap_entries(dicts, keys, values, current) -> list: set "
      "dicts[i][keys[i]] = values[i] and return the entries replaced "
      "(KeyError, nothing changed, when one is missing); an entry whose value "
      "is current[i] (what the entries hold) is left alone."},
     {"restore_entries",
-     TORCHLEAF_FASTCALL(restore_entries),
+     TORCHLEAF_FASTCALL(restore_entries_entry),
      METH_FASTCALL,
      "restore_entries(dicts, keys, old, expected) -> int: set every "
      "dicts[i][keys[i]] back to old[i]; return the index of the first entry "

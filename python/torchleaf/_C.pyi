@@ -122,3 +122,52 @@ def restore_entries(dicts: list[dict], keys: list[Any], old: list[Any], expected
 
 def tensor_versions(tensors: list[torch.Tensor]) -> list[Optional[int]]:
     """Each tensor's version counter (None for an inference tensor)."""
+
+# The common call with a module argument, in one C function
+# (csrc/python/module_call.cpp).
+
+def call_found_module(
+    fn: Callable[..., Any],
+    tensors: list[torch.Tensor],
+    template: tuple,
+    position: int,
+    start: int,
+    stop: int,
+    tensor_places: tuple[tuple[int, int], ...],
+    structure: Any,
+    index: dict[int, list[Any]],
+    lock: Any,
+    finish: Callable[..., None],
+    leaf: Any,
+) -> Any:
+    """``fn(*args)`` for a compiled call of a one-module plan, or
+    NotImplemented, having done nothing, when the call needs a decision
+    that Python makes. ``args`` is ``template`` with the module at
+    ``position`` and ``tensors[k]`` at ``p`` for each ``(p, k)`` of
+    ``tensor_places``; the module is the one ``index`` (_module_index's
+    table) files under the address of ``tensors[start]``'s data, unchanged
+    since its view was walked, of ``structure`` (the same object), whose first
+    and last tensors share the data of ``tensors[start]`` and
+    ``tensors[stop - 1]``. While ``fn`` runs, holding ``lock``, the module's
+    slots hold ``tensors[start:stop]``. If the module is not exactly as it
+    was after the call (an entry replaced, the module changed, a tensor
+    changed in place), ``finish(leaf, module, structure, own, view, old, new,
+    replaced, versions, failed)`` (_modules.finish_found_call) restores what
+    else is needed and raises the error."""
+
+def call_bound_module(
+    fn: Callable[..., Any],
+    args: list[Any],
+    module: Any,
+    view: Any,
+    own: list[torch.Tensor],
+    structure: Any,
+    lock: Any,
+    finish: Callable[..., None],
+    leaf: Any,
+) -> Any:
+    """``fn(*args)`` with ``module``'s slots holding ``own`` (the call's
+    tensors for it, in the order of ``view``'s), as call_found_module runs
+    it, for a module and view the caller has (an eager call's, checked
+    moments ago); NotImplemented, nothing done, where ``view`` cannot place
+    the tensors (no slots, another structure)."""

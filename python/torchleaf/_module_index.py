@@ -74,17 +74,18 @@ def _forget(entry_ref, _):
             del known[entry_id]
 
 
-# data_key -> entries of modules whose first tensor's data is there.
-_BY_KEY: dict[int, list[_Entry]] = {}
+# data_key -> entries of modules whose first tensor's data is there. Read by
+# _C.call_found_module too (an _Entry's `ref` and `view`, by name).
+BY_DATA_ADDRESS: dict[int, list[_Entry]] = {}
 _ENTRIES: dict[int, _Entry] = {}  # id(module) -> its entry
 
 
 def _unfile(entry):
-    entries = _BY_KEY.get(entry.key)
+    entries = BY_DATA_ADDRESS.get(entry.key)
     if entries is not None and entry in entries:
         entries.remove(entry)
         if not entries:
-            del _BY_KEY[entry.key]
+            del BY_DATA_ADDRESS[entry.key]
 
 
 def data_key(tensors) -> Optional[int]:
@@ -119,7 +120,7 @@ def remember(module, view=None) -> _Entry:
             _ENTRIES[entry.id] = entry
             _KNOWN.setdefault(cls, {})[entry.id] = entry
             if entry.key is not None:
-                _BY_KEY.setdefault(entry.key, []).append(entry)
+                BY_DATA_ADDRESS.setdefault(entry.key, []).append(entry)
     return entry
 
 
@@ -135,7 +136,7 @@ def _refresh(entry, module) -> None:
             _unfile(entry)
             entry.key = key
             if key is not None:
-                _BY_KEY.setdefault(key, []).append(entry)
+                BY_DATA_ADDRESS.setdefault(key, []).append(entry)
 
 
 def find(leaf, structure: ModuleStructure, tensors) -> tuple:
@@ -145,7 +146,7 @@ def find(leaf, structure: ModuleStructure, tensors) -> tuple:
     # for each module argument of each compiled call.)
     key: Optional[int] = tensors[0].data_ptr() if tensors and type(tensors[0]) in _PLAIN_TENSOR_TYPES else 0
     if key:
-        entries = _BY_KEY.get(key)
+        entries = BY_DATA_ADDRESS.get(key)
         if entries is not None and len(entries) == 1:
             entry = entries[0]
             module = entry.ref()
@@ -202,7 +203,7 @@ def _owns(view, tensors) -> bool:
 
 def _candidates(structure, key, tensors):
     found = []
-    for entry in list(_BY_KEY.get(key, ())) if key is not None else ():
+    for entry in list(BY_DATA_ADDRESS.get(key, ())) if key is not None else ():
         module = entry.ref()
         if module is not None:
             _refresh(entry, module)

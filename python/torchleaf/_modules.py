@@ -189,6 +189,7 @@ _DICT_ATTRS = ("_parameters", "_buffers", "_modules")
 _same_entries, _swap_entries, _restore_entries, _tensor_versions = (
     _C.same_entries, _C.swap_entries, _C.restore_entries, _C.tensor_versions
 )
+_call_bound_module = _C.call_bound_module
 _get_parameters = operator.attrgetter("_parameters")
 _get_buffers = operator.attrgetter("_buffers")
 _get_modules = operator.attrgetter("_modules")
@@ -454,8 +455,15 @@ class _Binder:
                 self.ctx.__exit__(None, None, None)
             return
         view = self.view
+        self.after_restore(_restore_entries(view.slot_dicts, view.slot_keys, self.old, self.new))
+
+    def after_restore(self, replaced):
+        """What exit does after putting the module's own tensors back into
+        the slots: note what the function replaced (``replaced``, the first
+        slot that did not hold its call's tensor, or -1), and give every slot
+        its module's tensor back if anything was."""
+        view = self.view
         dicts, keys = view.slot_dicts, view.slot_keys
-        replaced = _restore_entries(dicts, keys, self.old, self.new)
         if replaced >= 0:
             self.replaced = view.slot_names[replaced]
         elif not view.unchanged(self.module) and not view.unchanged(
@@ -498,7 +506,14 @@ class _Binder:
 
 def call_with_module(leaf, fn, args, module, structure, own, view):
     """call_with_modules for one module and arguments by position (the
-    common call, without the general one's lists)."""
+    common call, without the general one's lists): in C (_C.call_bound_module)
+    when the module's view, checked moments ago, places its tensors."""
+    if view is not None:
+        out = _call_bound_module(
+            fn, args, module, view, own, structure, _MODULE_CALLS_LOCK, finish_found_call, leaf
+        )  # fmt: skip
+        if out is not NotImplemented:
+            return out
     binder = _Binder(module, structure, own, False, view)
     with _MODULE_CALLS_LOCK:  # (see call_with_modules)
         binder.enter()
@@ -508,6 +523,20 @@ def call_with_module(leaf, fn, args, module, structure, own, view):
             binder.exit()
     binder.check(leaf)
     return out
+
+
+def finish_found_call(leaf, module, structure, own, view, old, new, replaced, versions, failed):
+    """What _C.call_found_module calls after the function ran when the module
+    is not exactly as it was (``replaced``: restore_entries' answer; the
+    slots hold the module's own tensors again): _Binder's exit, which
+    restores what else the function changed, and, unless the function
+    ``failed`` (raised), its check, which raises the error that names the
+    argument."""
+    binder = _Binder(module, structure, own, True, view)
+    binder.new, binder.old, binder.versions = new, old, versions
+    binder.after_restore(replaced)
+    if not failed:
+        binder.check(leaf)
 
 
 def call_with_modules(leaf, fn, args, kwargs, bindings, checked_views=()):

@@ -8,10 +8,11 @@ import contextlib
 
 import torch
 
+from . import _C, _module_index, _modules
 from . import _outputs as outputs
 from ._caches import STABLE_IDS, fold_traced_fake
 from ._errors import LeafFunctionError, add_note
-from ._modules import call_with_module, call_with_modules
+from ._modules import call_with_module, call_with_modules, finish_found_call
 from ._signature import IN_NDARRAY, IN_TENSOR, MODULE_KINDS
 from ._torch_private import autocast_supported_devices, is_any_autocast_enabled, set_grad_enabled
 
@@ -100,6 +101,7 @@ _is_grad_enabled = torch.is_grad_enabled
 # Python (~5k instructions per call and back); this is what it calls.
 _set_grad_enabled = set_grad_enabled
 _SINGLE = outputs.SINGLE
+_call_found_module, _finish_found_call = _C.call_found_module, finish_found_call
 
 
 def _live_leaf(leaf_ref):
@@ -109,13 +111,29 @@ def _live_leaf(leaf_ref):
     return leaf
 
 
+def _call_one_module(leaf, plan, tensors):
+    """A compiled call of a one-module plan (a layer's leaf(block, x)): in C
+    when its module is found at once, unchanged (csrc/python/module_call.cpp),
+    else as Plan.rebuild_one_module and call_with_module do it."""
+    layout = plan.one_module
+    out = _call_found_module(
+        leaf._fn, tensors, plan.template, layout.position, layout.start, layout.stop,
+        layout.tensor_places, layout.structure, _module_index.BY_DATA_ADDRESS,
+        _modules._MODULE_CALLS_LOCK, _finish_found_call, leaf,
+    )  # fmt: skip
+    if out is NotImplemented:
+        flat, module, own, view = plan.rebuild_one_module(leaf, tensors, None)
+        out = call_with_module(leaf, leaf._fn, flat, module, layout.structure, own, view)
+    return out
+
+
 def run_real(leaf_ref, plan_index, tensors, arguments):
     """Called by the core: run the user's function for one call. Returns the
     output tensors and the output description."""
     leaf = leaf_ref()
     if leaf is None:
         _live_leaf(leaf_ref)  # raises
-    plan = leaf._plans[plan_index]
+    plan = leaf._plans.by_index[plan_index]  # (Plans.__getitem__ would be a frame)
     # Traced where grad mode was on, run where it is off: AOTAutograd runs a
     # graph none of whose inputs requires grad, and a training graph's
     # forward, with grad mode off. The function runs as in eager code:
@@ -135,8 +153,7 @@ def run_real(leaf_ref, plan_index, tensors, arguments):
                 # and its code fetched cold, on every training step.
                 out = leaf._fn(*tensors[: len(plan.slots)])
             elif plan.one_module is not None:
-                flat, module, own, view = plan.rebuild_one_module(leaf, tensors, None)
-                out = call_with_module(leaf, leaf._fn, flat, module, plan.one_module.structure, own, view)
+                out = _call_one_module(leaf, plan, tensors)
             else:
                 out = invoke_compiled(leaf, leaf._fn, plan, tensors, arguments, fake=False)
         else:

@@ -590,7 +590,7 @@ def test_modules_the_walk_cannot_place_are_bound_by_name(monkeypatch):
     test_modules_with_tied_parameters_and_the_same_module_twice(None)
     test_changes_to_a_module_between_calls_are_seen(None)
     test_weights_tied_across_modules(None)
-    test_undeclared_in_place_change_of_a_module_buffer_names_it()
+    test_undeclared_in_place_change_of_a_module_buffer_names_it(None)
     with pytest.raises(LeafFunctionError, match=r"replaced 'weight' of its Linear argument"):
         torchleaf.leaf_function(lambda m, x: setattr(m, "weight", nn.Parameter(m.weight * 0)) or m(x))(
             nn.Linear(2, 2), torch.ones(1, 2))
@@ -607,7 +607,7 @@ def test_a_submodule_reassigned_inside_the_leaf_is_an_error():
         leaf(torch.randn(2, 3), model)
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
 def test_a_module_has_its_own_tensors_after_a_leaf_raises_or_replaces_one(backend):
     # The call's tensors are written into the module's dicts for the body and
     # taken out again however the body ends.
@@ -733,15 +733,20 @@ def test_a_module_with_buffers_only_declared_mutable(backend):
     assert bn.num_batches_tracked.item() == 2
 
 
-def test_undeclared_in_place_change_of_a_module_buffer_names_it():
+@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
+def test_undeclared_in_place_change_of_a_module_buffer_names_it(backend):
+    torch._dynamo.reset()
     bn = nn.BatchNorm1d(3)
     leaf = _leaf(lambda x, bn: bn(x), lambda x, bn: torch.empty_like(x))
+    run = leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
+    buffers = dict(bn.named_buffers())
     with pytest.raises(LeafFunctionError, match=r"changed '(running_mean|running_var|num_batches_tracked)' of its "
                        r"BatchNorm1d argument in place without declaring it\. Name that argument in mutates_args"):
-        leaf(torch.randn(4, 3), bn)
+        run(torch.randn(4, 3), bn)
     assert torchleaf.live_states() == 0
+    assert all(t is buffers[name] for name, t in bn.named_buffers())
     bn.eval()  # eval mode changes nothing: fine
-    torch.testing.assert_close(leaf(torch.ones(4, 3), bn), bn(torch.ones(4, 3)))
+    torch.testing.assert_close(run(torch.ones(4, 3), bn), bn(torch.ones(4, 3)))
 
 
 @pytest.mark.parametrize("backend", COMPILED)
