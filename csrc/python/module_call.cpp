@@ -35,6 +35,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "../torch_private.h"
+#include "fastcall.h"
 #include "module_entries.h"
 
 namespace torchleaf::python {
@@ -57,8 +58,6 @@ Object steal(PyObject* o) {
   return pybind11::reinterpret_steal<Object>(o);
 }
 
-// The fields of a _modules.ModuleView that the call reads, by name (the
-// view is a __slots__ class: each read is a type lookup and a slot load).
 // The names, made on first use (the GIL held).
 struct Names {
   PyObject* const structure = name("structure");
@@ -85,6 +84,8 @@ const Names& names() {
   return interned;
 }
 
+// The fields of a _modules.ModuleView that the call reads, by name (the
+// view is a __slots__ class: each read is a type lookup and a slot load).
 struct ViewFields {
   Object structure, tensors, check_dicts, check_keys, check_values, dicts,
       contents, slot_dicts, slot_keys, slot_tensors, slots_in_order, slot_index;
@@ -108,13 +109,7 @@ struct ViewFields {
 
   // Whether the module's entries are those the walk saw.
   bool unchanged(PyObject* module_dict) const {
-    const int same = same_entries(
-        module_dict,
-        check_dicts.ptr(),
-        check_keys.ptr(),
-        check_values.ptr(),
-        dicts.ptr(),
-        contents.ptr());
+    const int same = compare(module_dict);
     if (same < 0) {
       throw pybind11::error_already_set();
     }
@@ -124,27 +119,67 @@ struct ViewFields {
   // unchanged() for a caller with an exception pending: a failing
   // comparison reads as a change.
   bool unchanged_or_error(PyObject* module_dict) const {
-    const int same = same_entries(
-        module_dict,
-        check_dicts.ptr(),
-        check_keys.ptr(),
-        check_values.ptr(),
-        dicts.ptr(),
-        contents.ptr());
+    const int same = compare(module_dict);
     if (same < 0) {
       PyErr_Clear();
     }
     return same == 1;
   }
 
+  // Whether the view can run a call here: its tensors go to slots, its
+  // structure is the plan's (the same interned object), it has `width`
+  // tensors, and its lists are as ModuleView makes them (checked, not
+  // assumed: the loops index them without bounds checks).
+  bool runs_here(PyObject* plan_structure, Py_ssize_t width) const {
+    if (slot_dicts.is_none() || structure.ptr() != plan_structure) {
+      return false;
+    }
+    for (const Object* list :
+         {&tensors,
+          &check_dicts,
+          &check_keys,
+          &check_values,
+          &dicts,
+          &contents,
+          &slot_dicts,
+          &slot_keys,
+          &slot_tensors,
+          &slot_index}) {
+      if (!PyList_CheckExact(list->ptr())) {
+        return false;
+      }
+    }
+    const Py_ssize_t n_slots = size(slot_dicts);
+    return size(tensors) == width && size(check_keys) == size(check_dicts) &&
+        size(check_values) == size(check_dicts) &&
+        size(contents) == size(dicts) && size(slot_keys) == n_slots &&
+        size(slot_tensors) == n_slots && size(slot_index) == n_slots &&
+        (!in_order() || n_slots == width);
+  }
+
+  bool in_order() const {
+    return slots_in_order.ptr() == Py_True;
+  }
+
+ private:
+  int compare(PyObject* module_dict) const {
+    return same_entries(
+        module_dict,
+        check_dicts.ptr(),
+        check_keys.ptr(),
+        check_values.ptr(),
+        dicts.ptr(),
+        contents.ptr());
+  }
+
+  static Py_ssize_t size(const Object& list) {
+    return PyList_GET_SIZE(list.ptr());
+  }
+
   static Object read(PyObject* view, PyObject* name) {
     return steal(PyObject_GetAttr(view, name));
   }
 };
-
-bool is_list(const Object& o) {
-  return PyList_CheckExact(o.ptr());
-}
 
 // The address of a plain tensor's data (what Python's data_ptr() gives and
 // the index is keyed by); 0 for anything else: a subclass, no storage.
@@ -234,7 +269,7 @@ PyObject* run_bound(const BoundCall& call) {
     versions.push_back(version_of(PyList_GET_ITEM(call.own, i)));
   }
   Object fresh; // the call's tensors in slot order
-  if (PyObject_IsTrue(fields.slots_in_order.ptr()) == 1) {
+  if (fields.in_order()) {
     fresh = pybind11::reinterpret_borrow<Object>(call.own);
   } else {
     const Py_ssize_t n = PyList_GET_SIZE(fields.slot_index.ptr());
@@ -318,27 +353,6 @@ PyObject* run_bound(const BoundCall& call) {
   return result.release().ptr();
 }
 
-bool check_arity(const char* name, Py_ssize_t nargs, Py_ssize_t expected) {
-  if (nargs == expected) {
-    return true;
-  }
-  PyErr_Format(
-      PyExc_TypeError,
-      "torchleaf._C.%s takes %zd arguments (%zd given)",
-      name,
-      expected,
-      nargs);
-  return false;
-}
-
-// Whether a view can run a call here: its tensors go to slots, and its
-// structure is the plan's (the same interned object).
-bool runs_here(const ViewFields& fields, PyObject* structure) {
-  return !fields.slot_dicts.is_none() && fields.structure.ptr() == structure &&
-      is_list(fields.tensors) && is_list(fields.slot_dicts) &&
-      is_list(fields.check_dicts) && is_list(fields.dicts);
-}
-
 PyObject* not_here() {
   Py_RETURN_NOTIMPLEMENTED;
 }
@@ -395,16 +409,15 @@ PyObject* call_found_module(
   }
   Object view = steal(PyObject_GetAttr(entry, names().view));
   const ViewFields fields(view.ptr());
-  if (!runs_here(fields, structure)) {
+  const Py_ssize_t width = stop - start;
+  if (!fields.runs_here(structure, width)) {
     return not_here();
   }
   Object module_dict = steal(PyObject_GetAttr(module.ptr(), names().dict));
-  const Py_ssize_t width = stop - start;
   // (The last tensor too: a module that ties only its first tensor to this
   // one's, a shared embedding, is another.)
   const intptr_t last = data_address(PyList_GET_ITEM(tensors, stop - 1));
-  if (PyList_GET_SIZE(fields.tensors.ptr()) < width ||
-      data_address(PyList_GET_ITEM(fields.tensors.ptr(), 0)) != key ||
+  if (data_address(PyList_GET_ITEM(fields.tensors.ptr(), 0)) != key ||
       last == 0 ||
       data_address(PyList_GET_ITEM(fields.tensors.ptr(), width - 1)) != last ||
       !fields.unchanged(module_dict.ptr())) {
@@ -458,8 +471,7 @@ PyObject* call_bound_module(
   PyObject* structure = args[5];
   TORCH_INTERNAL_ASSERT(PyList_CheckExact(call_args) && PyList_CheckExact(own));
   const ViewFields fields(view);
-  if (!runs_here(fields, structure) ||
-      PyList_GET_SIZE(fields.tensors.ptr()) != PyList_GET_SIZE(own)) {
+  if (!fields.runs_here(structure, PyList_GET_SIZE(own))) {
     return not_here();
   }
   Object module_dict = steal(PyObject_GetAttr(module, names().dict));
@@ -479,19 +491,16 @@ PyObject* call_bound_module(
   END_HANDLE_TH_ERRORS
 }
 
-#define TORCHLEAF_FASTCALL(f) \
-  reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f))
-
 PyMethodDef kFunctions[] = {
     {"call_found_module",
-     TORCHLEAF_FASTCALL(call_found_module),
+     fastcall(call_found_module),
      METH_FASTCALL,
      "call_found_module(fn, tensors, template, position, start, stop, "
      "tensor_places, structure, index, lock, finish, leaf) -> the function's "
      "output, or NotImplemented (nothing done): a compiled one-module call "
      "(see csrc/python/module_call.cpp and _C.pyi)."},
     {"call_bound_module",
-     TORCHLEAF_FASTCALL(call_bound_module),
+     fastcall(call_bound_module),
      METH_FASTCALL,
      "call_bound_module(fn, args, module, view, own, structure, lock, "
      "finish, leaf) -> the function's output, or NotImplemented (nothing "
@@ -499,20 +508,10 @@ PyMethodDef kFunctions[] = {
      "(see csrc/python/module_call.cpp and _C.pyi)."},
 };
 
-#undef TORCHLEAF_FASTCALL
-
 } // namespace
 
 void add_module_call(pybind11::module_& m) {
-  for (auto& def : kFunctions) {
-    PyObject* function =
-        PyCFunction_NewEx(&def, nullptr, m.attr("__name__").ptr());
-    if (function == nullptr) {
-      throw pybind11::error_already_set();
-    }
-    m.add_object(
-        def.ml_name, pybind11::reinterpret_steal<pybind11::object>(function));
-  }
+  add_functions(m, kFunctions);
 }
 
 } // namespace torchleaf::python

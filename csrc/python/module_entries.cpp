@@ -15,6 +15,8 @@
 
 #include "module_entries.h"
 
+#include "fastcall.h"
+
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -36,19 +38,6 @@ bool lists(PyObject* const* args, Py_ssize_t n, Py_ssize_t& size) {
       return false;
     }
     size = len;
-  }
-  return true;
-}
-
-bool check_arity(const char* name, Py_ssize_t nargs, Py_ssize_t expected) {
-  if (nargs != expected) {
-    PyErr_Format(
-        PyExc_TypeError,
-        "torchleaf._C.%s takes %zd arguments (%zd given)",
-        name,
-        expected,
-        nargs);
-    return false;
   }
   return true;
 }
@@ -278,52 +267,39 @@ PyObject* tensor_versions(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-#define TORCHLEAF_FASTCALL(f) \
-  reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f))
-
 PyMethodDef kFunctions[] = {
     {"same_entries",
-     TORCHLEAF_FASTCALL(same_entries_entry),
+     fastcall(same_entries_entry),
      METH_FASTCALL,
      "same_entries(root, dicts, keys, values, whole, contents) -> bool: "
      "whether each dicts[i] (root where it is None) maps keys[i] to exactly "
      "values[i] (identity), and each whole[j] holds exactly the items "
      "contents[j] lists ([key0, value0, key1, ...], identity, in order)."},
     {"swap_entries",
-     TORCHLEAF_FASTCALL(swap_entries_entry),
+     fastcall(swap_entries_entry),
      METH_FASTCALL,
      "swap_entries(dicts, keys, values, current) -> list: set "
      "dicts[i][keys[i]] = values[i] and return the entries replaced "
      "(KeyError, nothing changed, when one is missing); an entry whose value "
      "is current[i] (what the entries hold) is left alone."},
     {"restore_entries",
-     TORCHLEAF_FASTCALL(restore_entries_entry),
+     fastcall(restore_entries_entry),
      METH_FASTCALL,
      "restore_entries(dicts, keys, old, expected) -> int: set every "
      "dicts[i][keys[i]] back to old[i]; return the index of the first entry "
      "that did not hold expected[i] before, or -1. Entries where old[i] is "
      "expected[i] (swap_entries left them alone) are skipped."},
     {"tensor_versions",
-     TORCHLEAF_FASTCALL(tensor_versions),
+     fastcall(tensor_versions),
      METH_FASTCALL,
      "tensor_versions(tensors) -> list: each tensor's version counter (None "
      "for an inference tensor)."},
 };
 
-#undef TORCHLEAF_FASTCALL
-
 } // namespace
 
 void add_module_entry_functions(pybind11::module_& m) {
-  for (auto& def : kFunctions) {
-    PyObject* function =
-        PyCFunction_NewEx(&def, nullptr, m.attr("__name__").ptr());
-    if (function == nullptr) {
-      throw pybind11::error_already_set();
-    }
-    m.add_object(
-        def.ml_name, pybind11::reinterpret_steal<pybind11::object>(function));
-  }
+  add_functions(m, kFunctions);
 }
 
 } // namespace torchleaf::python
