@@ -239,6 +239,12 @@ class LockHeld {
   PyObject* lock_;
 };
 
+// What the functions return when the call is not theirs to make (before any
+// side effect): the caller takes the Python path.
+PyObject* not_here() {
+  Py_RETURN_NOTIMPLEMENTED;
+}
+
 // What a call needs once its module is bound: the function and its
 // arguments (borrowed), the module, its view and the view's fields, the
 // call's tensors for the module (`own`, in the order of the view's tensors),
@@ -266,7 +272,11 @@ PyObject* run_bound(const BoundCall& call) {
   c10::SmallVector<int64_t, 8> versions;
   versions.reserve(width);
   for (Py_ssize_t i = 0; i < width; ++i) {
-    versions.push_back(version_of(PyList_GET_ITEM(call.own, i)));
+    PyObject* item = PyList_GET_ITEM(call.own, i);
+    if (!THPVariable_Check(item)) {
+      return not_here();
+    }
+    versions.push_back(version_of(item));
   }
   Object fresh; // the call's tensors in slot order
   if (fields.in_order()) {
@@ -351,10 +361,6 @@ PyObject* run_bound(const BoundCall& call) {
     call_finish(Py_False);
   }
   return result.release().ptr();
-}
-
-PyObject* not_here() {
-  Py_RETURN_NOTIMPLEMENTED;
 }
 
 // call_found_module(fn, tensors, template, position, start, stop,
