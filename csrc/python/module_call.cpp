@@ -11,7 +11,7 @@
 // was eight frames around the function (Plan.rebuild_one_module,
 // _module_index.find, ModuleView.unchanged twice, call_with_module,
 // _Binder's __init__, enter, exit and check): ~36k instructions per
-// compiled call, a sixth of a small block's whole forward; ~17k now.
+// compiled call, a sixth of a small block's whole forward; ~19k now.
 //
 // Only the case that needs no decision is done here: exactly one module
 // filed under the address, unchanged, a view of the plan's structure (the

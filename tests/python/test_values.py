@@ -628,10 +628,15 @@ def test_a_module_has_its_own_tensors_after_a_leaf_raises_or_replaces_one(backen
         del m[1].bias
         return out
 
+    def replaces_then_raises(m, x):
+        m[0].weight = nn.Parameter(m[0].weight * 2)
+        raise ValueError("after replacing")
+
     x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
     for fn, error, match in ((raises, ValueError, "from the body"),
                              (replaces, LeafFunctionError, r"replaced '0\.weight' of its Sequential argument"),
-                             (deletes, LeafFunctionError, r"replaced '1\.bias' of its Sequential argument")):
+                             (deletes, LeafFunctionError, r"replaced '1\.bias' of its Sequential argument"),
+                             (replaces_then_raises, ValueError, "after replacing")):
         leaf = _leaf(fn, lambda m, x: torch.empty_like(x))
         run = leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
         with pytest.raises(error, match=match):
