@@ -407,13 +407,16 @@ PyObject* call_found_module(
   if (!PyList_CheckExact(entries) || PyList_GET_SIZE(entries) != 1) {
     return not_here();
   }
-  PyObject* entry = PyList_GET_ITEM(entries, 0);
-  Object ref = steal(PyObject_GetAttr(entry, names().ref));
+  // (Held: a collection while the lookup runs could drop the module and,
+  // by its weak reference's callback, the entry from the list.)
+  const Object entry =
+      pybind11::reinterpret_borrow<Object>(PyList_GET_ITEM(entries, 0));
+  Object ref = steal(PyObject_GetAttr(entry.ptr(), names().ref));
   Object module = steal(PyObject_CallNoArgs(ref.ptr()));
   if (module.is_none()) {
     return not_here();
   }
-  Object view = steal(PyObject_GetAttr(entry, names().view));
+  Object view = steal(PyObject_GetAttr(entry.ptr(), names().view));
   const ViewFields fields(view.ptr());
   const Py_ssize_t width = stop - start;
   if (!fields.runs_here(structure, width)) {
