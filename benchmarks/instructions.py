@@ -20,7 +20,7 @@ named "inductor"):
 - the eager fwd+bwd step for the inline body and the leaf;
 - leaf_heavy.py's training step (N = 10 blocks, fwd + bwd + SGD): the plain
   model run eagerly, the floor of a leaf-heavy model, and the leaf per block
-  under Inductor;
+  run eagerly and under Inductor;
 - the operators the leaf's compiled graphs call, one level down at a time:
   ``torchleaf.forward`` (called as the FX graph calls it), the Python runner
   it calls, the body with and without autograd recording, and
@@ -51,6 +51,7 @@ STAGES = (
     ("eager step: plain", "eager fwd+bwd of the inline body"),
     ("eager step: torchleaf", "eager fwd+bwd, leaf function"),
     ("leaf-heavy step: plain eager", "leaf_heavy.py's training step, N = 10, the plain model run eagerly (a leaf's floor)"),
+    ("leaf-heavy step: torchleaf eager", "the same step, a leaf per block, run eagerly"),
     ("leaf-heavy step: torchleaf inductor", "the same step, a leaf per block, compiled with Inductor"),
     ("large module forward: plain", "eager forward of module_args.py's 400-parameter model, inline"),
     ("large module forward: torchleaf", "the same model as a leaf's module argument"),
@@ -86,7 +87,7 @@ def _stage_callable(name):
         # (Not the plain model under Inductor: its kernels die of an illegal
         # instruction under this Valgrind.)
         variant = name[len("leaf-heavy step: "):]
-        impl, mode = {"plain eager": ("plain", "eager"), "torchleaf inductor": ("torchleaf", "inductor")}[variant]
+        impl, mode = variant.split(" ")
         step, _ = leaf_heavy.make_step(10, impl, mode)
         return step
     if "step: " in name and not name.startswith("eager"):

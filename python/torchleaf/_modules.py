@@ -527,11 +527,11 @@ def call_with_module(leaf, fn, args, module, structure, own, view):
 
 def finish_found_call(leaf, module, structure, own, view, old, new, replaced, versions, failed):
     """What _C.call_found_module and _C.call_bound_module call after the
-    function ran when the module is not exactly as it was (``replaced``: restore_entries' answer; the
-    slots hold the module's own tensors again): _Binder's exit, which
-    restores what else the function changed, and, unless the function
-    ``failed`` (raised), its check, which raises the error that names the
-    argument."""
+    function ran when the module is not exactly as it was (``replaced``:
+    restore_entries' answer; the slots hold the module's own tensors again):
+    _Binder's exit, which restores what else the function changed, and,
+    unless the function ``failed`` (raised), its check, which raises the
+    error that names the argument."""
     binder = _Binder(module, structure, own, True, view)
     binder.new, binder.old, binder.versions = new, old, versions
     binder.after_restore(replaced)
