@@ -138,7 +138,7 @@ void alias_inputs(RealCall& call, c10::ArrayRef<bool> capture_mask) {
     }
     // Inference tensors have no version counter (and cannot be changed in
     // place outside inference mode).
-    call.versions.push_back(t.is_inference() ? 0 : t._version());
+    call.versions.push_back(t.is_inference() ? 0 : version_of(t));
   }
 }
 

@@ -99,7 +99,7 @@ void check_undeclared_mutation(
     if ((mutable_inputs.empty() || !mutable_inputs[i]) &&
         !inputs[i].is_inference()) {
       TORCHLEAF_CHECK(
-          inputs[i]._version() == versions[i],
+          version_of(inputs[i]) == versions[i],
           entry.name,
           "mutated its ",
           describe_input(entry, plan, i),
@@ -215,16 +215,36 @@ void validate_against_fake(
   }
 }
 
+namespace {
+
+// Whether `t` aliases any of `others` (aliases() with each, in one pass: a
+// call with a module argument compares each output with hundreds of
+// inputs). Two storages alias when they are one StorageImpl, or when they
+// share data through PyTorch's refcounted deleter (isSharedStorageAlias),
+// which a storage without that deleter never does, not even with itself.
+bool aliases_any(const at::Tensor& t, at::TensorList others) {
+  if (!t.has_storage()) {
+    return false;
+  }
+  const c10::Storage& storage = t.storage();
+  const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  const bool may_share = c10::isSharedStorageAlias(storage, storage);
+  for (const auto& other : others) {
+    if (other.has_storage() &&
+        (other.storage().unsafeGetStorageImpl() == impl ||
+         (may_share && c10::isSharedStorageAlias(storage, other.storage())))) {
+      return true;
+    }
+  }
+  return false;
+}
+
+} // namespace
+
 void copy_aliased_outputs(TensorList& outputs, const TensorList& inputs) {
   for (size_t i = 0; i < outputs.size(); ++i) {
-    bool aliased = false;
-    for (const auto& t : inputs) {
-      aliased = aliased || aliases(outputs[i], t);
-    }
-    for (size_t j = 0; j < i; ++j) {
-      aliased = aliased || aliases(outputs[i], outputs[j]);
-    }
-    if (aliased) {
+    if (aliases_any(outputs[i], inputs) ||
+        aliases_any(outputs[i], at::TensorList(outputs.data(), i))) {
       outputs[i] = outputs[i].clone();
     }
   }

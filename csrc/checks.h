@@ -24,6 +24,14 @@ void name_the_leaf(c10::Error& e, const char* what, const LeafEntry& entry);
 // and count as not aliased.
 bool aliases(const at::Tensor& a, const at::Tensor& b);
 
+// t._version() of a tensor that has a version counter (not an inference
+// tensor), read from its TensorImpl: _version() takes three calls through
+// autograd's VariableHooks, and a call with a module argument reads each
+// parameter's version four times.
+inline uint32_t version_of(const at::Tensor& t) {
+  return t.unsafeGetTensorImpl()->version_counter().current_version();
+}
+
 // "input 2 (argument 'buf')" where the leaf can name its inputs (Python
 // leaves), else "input 2 (flattened position)".
 std::string describe_input(const LeafEntry& entry, int64_t plan, size_t i);

@@ -171,6 +171,36 @@ TensorList unpack_tensors(
   return out;
 }
 
+// A list (or tuple) of tensors from Python, as pybind11's list caster
+// would convert it, without its per-item cost (a sequence protocol call, an
+// isinstance check and a new reference each): an eager call with a module
+// argument passes each of its parameters here, on every call.
+TensorList tensor_list_argument(py::handle sequence, const char* what) {
+  PyObject* seq = sequence.ptr();
+  const bool is_list = PyList_CheckExact(seq);
+  if (!is_list && !PyTuple_CheckExact(seq)) {
+    return py::cast<TensorList>(sequence); // (anything else pybind11 takes)
+  }
+  const Py_ssize_t n = is_list ? PyList_GET_SIZE(seq) : PyTuple_GET_SIZE(seq);
+  TensorList out;
+  out.reserve(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item =
+        is_list ? PyList_GET_ITEM(seq, i) : PyTuple_GET_ITEM(seq, i);
+    if (!torch_private::is_exact_tensor(item) && !THPVariable_Check(item)) {
+      throw py::type_error(c10::str(
+          "torchleaf: ",
+          what,
+          " must hold tensors only; item ",
+          i,
+          " is a ",
+          Py_TYPE(item)->tp_name));
+    }
+    out.push_back(THPVariable_Unpack(item));
+  }
+  return out;
+}
+
 py::list wrap_tensors(const TensorList& tensors) {
   py::list out(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -294,10 +324,12 @@ int64_t define_python_leaf(
 py::object call(
     int64_t leaf,
     int64_t plan,
-    const TensorList& inputs,
-    const TensorList& mutated,
+    py::handle input_list,
+    py::handle mutated_list,
     py::handle arguments) {
   HANDLE_TH_ERRORS
+  const TensorList inputs = tensor_list_argument(input_list, "inputs");
+  const TensorList mutated = tensor_list_argument(mutated_list, "mutated");
   const bool eager = ops::is_plain_eager(inputs, mutated);
   if (!eager && !arguments.is_none()) {
     return py::none();

@@ -18,10 +18,11 @@
 // same interned object) that places the tensors by slot. Anything else
 // returns NotImplemented before touching anything, and the caller takes the
 // Python path, which searches, walks again or binds by name. After the
-// function ran, anything other than the module exactly as it was (an entry
-// replaced, the module changed, a tensor changed in place) goes to the
-// Python `finish` callback (_modules.finish_found_call: _Binder's exit and
-// check), which restores what is needed and raises the error that names the
+// function ran, a name of the structure that may no longer lead to its
+// slot's tensor (an entry replaced, a submodule or a dict reassigned: the
+// view's after_call_check) or a tensor changed in place goes to the Python
+// `finish` callback (_modules.finish_found_call: _Binder's exit and check),
+// which restores what is needed and raises the error that names the
 // argument.
 //
 // No state is kept between calls: the functions read the view's fields on
@@ -34,6 +35,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include "../checks.h"
 #include "../torch_private.h"
 #include "fastcall.h"
 #include "module_entries.h"
@@ -72,6 +74,7 @@ struct Names {
   PyObject* const slot_tensors = name("slot_tensors");
   PyObject* const slots_in_order = name("slots_in_order");
   PyObject* const slot_index = name("slot_index");
+  PyObject* const after_call_check = name("after_call_check");
   PyObject* const ref = name("ref"); // (an index entry's)
   PyObject* const view = name("view");
   PyObject* const dict = name("__dict__");
@@ -88,7 +91,8 @@ const Names& names() {
 // view is a __slots__ class: each read is a type lookup and a slot load).
 struct ViewFields {
   Object structure, tensors, check_dicts, check_keys, check_values, dicts,
-      contents, slot_dicts, slot_keys, slot_tensors, slots_in_order, slot_index;
+      contents, slot_dicts, slot_keys, slot_tensors, slots_in_order, slot_index,
+      after_call_check;
 
   explicit ViewFields(PyObject* view)
       : structure(read(view, names().structure)),
@@ -104,10 +108,11 @@ struct ViewFields {
       slot_tensors = read(view, names().slot_tensors);
       slots_in_order = read(view, names().slots_in_order);
       slot_index = read(view, names().slot_index);
+      after_call_check = read(view, names().after_call_check);
     }
   }
 
-  // Whether the module's entries are those the walk saw.
+  // Whether the module's entries are those the walk saw (the full check).
   bool unchanged(PyObject* module_dict) const {
     const int same = compare(module_dict);
     if (same < 0) {
@@ -116,10 +121,20 @@ struct ViewFields {
     return same == 1;
   }
 
-  // unchanged() for a caller with an exception pending: a failing
+  // After the function ran, with the slots restored: whether every name of
+  // the structure still leads to its slot (the view's after_call_check).
+  bool names_lead_to_slots(PyObject* module_dict) const {
+    const int same = compare_after_call(module_dict);
+    if (same < 0) {
+      throw pybind11::error_already_set();
+    }
+    return same == 1;
+  }
+
+  // names_lead_to_slots() for a caller with an exception pending: a failing
   // comparison reads as a change.
-  bool unchanged_or_error(PyObject* module_dict) const {
-    const int same = compare(module_dict);
+  bool names_lead_to_slots_or_error(PyObject* module_dict) const {
+    const int same = compare_after_call(module_dict);
     if (same < 0) {
       PyErr_Clear();
     }
@@ -150,7 +165,8 @@ struct ViewFields {
       }
     }
     const Py_ssize_t n_slots = size(slot_dicts);
-    return size(tensors) == width && size(check_keys) == size(check_dicts) &&
+    return after_call_check_usable() && size(tensors) == width &&
+        size(check_keys) == size(check_dicts) &&
         size(check_values) == size(check_dicts) &&
         size(contents) == size(dicts) && size(slot_keys) == n_slots &&
         size(slot_tensors) == n_slots && size(slot_index) == n_slots &&
@@ -170,6 +186,35 @@ struct ViewFields {
         check_values.ptr(),
         dicts.ptr(),
         contents.ptr());
+  }
+
+  // (After runs_here(): a tuple of five lists, as ModuleView makes it.)
+  int compare_after_call(PyObject* module_dict) const {
+    PyObject* const* part = after_call_parts();
+    return same_entries(
+        module_dict, part[0], part[1], part[2], part[3], part[4]);
+  }
+
+  PyObject* const* after_call_parts() const {
+    return &PyTuple_GET_ITEM(after_call_check.ptr(), 0);
+  }
+
+  // Whether after_call_check is same_entries' arguments: (dicts, keys,
+  // values) of one length, (whole, contents) of another.
+  bool after_call_check_usable() const {
+    PyObject* check = after_call_check.ptr();
+    if (!PyTuple_CheckExact(check) || PyTuple_GET_SIZE(check) != 5) {
+      return false;
+    }
+    PyObject* const* part = after_call_parts();
+    for (int i = 0; i < 5; ++i) {
+      if (!PyList_CheckExact(part[i])) {
+        return false;
+      }
+    }
+    return PyList_GET_SIZE(part[1]) == PyList_GET_SIZE(part[0]) &&
+        PyList_GET_SIZE(part[2]) == PyList_GET_SIZE(part[0]) &&
+        PyList_GET_SIZE(part[4]) == PyList_GET_SIZE(part[3]);
   }
 
   static Py_ssize_t size(const Object& list) {
@@ -201,7 +246,7 @@ intptr_t data_address(PyObject* item) {
 // A tensor's version, -1 for an inference tensor (it has none).
 int64_t version_of(PyObject* item) {
   const at::Tensor& t = THPVariable_Unpack(item);
-  return t.is_inference() ? -1 : static_cast<int64_t>(t._version());
+  return t.is_inference() ? -1 : static_cast<int64_t>(torchleaf::version_of(t));
 }
 
 Object versions_list(const c10::SmallVector<int64_t, 8>& versions) {
@@ -320,7 +365,8 @@ PyObject* run_bound(const BoundCall& call) {
       replaced = 0;
     }
     finish_failed = out == nullptr &&
-        (replaced >= 0 || !fields.unchanged_or_error(call.module_dict));
+        (replaced >= 0 ||
+         !fields.names_lead_to_slots_or_error(call.module_dict));
   }
   auto call_finish = [&](PyObject* failed) {
     Object replaced_object = steal(PyLong_FromSsize_t(replaced));
@@ -353,7 +399,7 @@ PyObject* run_bound(const BoundCall& call) {
     return nullptr;
   }
   Object result = steal(out);
-  bool as_it_was = replaced < 0 && fields.unchanged(call.module_dict);
+  bool as_it_was = replaced < 0 && fields.names_lead_to_slots(call.module_dict);
   for (Py_ssize_t i = 0; as_it_was && i < width; ++i) {
     as_it_was = version_of(PyList_GET_ITEM(call.own, i)) == versions[i];
   }

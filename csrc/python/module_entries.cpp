@@ -15,6 +15,7 @@
 
 #include "module_entries.h"
 
+#include "../checks.h"
 #include "fastcall.h"
 
 #include <torch/csrc/Exceptions.h>
@@ -54,8 +55,8 @@ PyObject* entry(PyObject* dict, PyObject* key) {
 // Whether `dict` holds exactly `items` ([key0, value0, key1, ...], the same
 // objects in the same order). One pass over the dict's entries, where a
 // lookup per key would hash and probe: a module argument's dicts hold every
-// parameter, checked twice per call. A key deleted and put back with an
-// equal new object reads as a change (the caller then walks the module
+// parameter, checked before and after each call. A key deleted and put back
+// with an equal new object reads as a change (the caller then walks the module
 // again).
 bool holds_in_order(PyObject* dict, PyObject* items) {
   if (!PyDict_Check(dict) || !PyList_CheckExact(items) ||
@@ -256,7 +257,7 @@ PyObject* tensor_versions(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       Py_INCREF(Py_None);
       version = Py_None;
     } else {
-      version = PyLong_FromUnsignedLongLong(t._version());
+      version = PyLong_FromUnsignedLongLong(version_of(t));
     }
     if (version == nullptr) {
       return nullptr;

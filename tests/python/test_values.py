@@ -596,15 +596,45 @@ def test_modules_the_walk_cannot_place_are_bound_by_name(monkeypatch):
             nn.Linear(2, 2), torch.ones(1, 2))
 
 
-def test_a_submodule_reassigned_inside_the_leaf_is_an_error():
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_a_submodule_reassigned_inside_the_leaf_is_an_error(backend):
+    torch._dynamo.reset()
+
     def swaps(x, m):
         m[0] = nn.Linear(3, 3)
         return m(x)
 
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
-    leaf = torchleaf.leaf_function(swaps)
+    leaf = _leaf(swaps, lambda x, m: torch.empty_like(x))
+    run = leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
     with pytest.raises(LeafFunctionError, match=r"replaced '0\.weight' of its Sequential argument"):
-        leaf(torch.randn(2, 3), model)
+        run(torch.randn(2, 3), model)
+
+
+@pytest.mark.parametrize("backend", [None, *COMPILED])
+def test_a_leaf_may_add_state_to_its_module_argument(backend):
+    # A buffer registered lazily inside the body changes no parameter the
+    # call was given: no error, and later calls take the module as it is now.
+    torch._dynamo.reset()
+
+    def counted(m, x):
+        if not hasattr(m, "calls"):
+            m.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        return m(x) * 2
+
+    leaf = _leaf(counted, lambda m, x: torch.empty(x.shape[0], 3, dtype=x.dtype))
+    run = leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
+    model = nn.Linear(3, 3).double()
+    weight = model.weight
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    for _ in range(3):
+        got = run(model, x)
+        expected = model(x) * 2
+        for g, e in zip(torch.autograd.grad(got.sum(), [x, weight]), torch.autograd.grad(expected.sum(), [x, weight])):
+            torch.testing.assert_close(g, e)
+    assert [name for name, _ in model.named_buffers()] == ["calls"]
+    assert model.weight is weight
+    assert torchleaf.live_states() == 0
 
 
 @pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
