@@ -65,30 +65,6 @@ variable_list LeafRouter::apply_with_saved(
   return apply(variable_list(inputs));
 }
 
-namespace {
-
-// The first slot to probe for `tensor` in a table of `size` (a power of
-// two) slots: Fibonacci hashing of the address.
-size_t first_slot(const c10::TensorImpl* tensor, size_t size) {
-  const auto bits = reinterpret_cast<uintptr_t>(tensor) >> 4;
-  return static_cast<size_t>(bits * 0x9E3779B97F4A7C15ull) & (size - 1);
-}
-
-// The slot that holds `tensor`, or the empty slot where it would go.
-size_t find_slot(const CapturedState& state, const c10::TensorImpl* tensor) {
-  const auto& table = state.passed_through_table;
-  const size_t mask = table.size() - 1;
-  for (size_t slot = first_slot(tensor, table.size());;
-       slot = (slot + 1) & mask) {
-    const uint32_t entry = table[slot];
-    if (entry == 0 || state.passed_through[entry - 1].tensor == tensor) {
-      return slot;
-    }
-  }
-}
-
-} // namespace
-
 void reserve_passed_through(CapturedState& state, size_t n) {
   size_t size = 8;
   while (size < 2 * n) {
@@ -102,24 +78,14 @@ bool add_passed_through(CapturedState& state, const c10::TensorImpl* tensor) {
   TORCH_INTERNAL_ASSERT(
       2 * (state.passed_through.size() + 1) <=
       state.passed_through_table.size());
-  uint32_t& slot = state.passed_through_table[find_slot(state, tensor)];
+  uint32_t& slot =
+      state.passed_through_table[detail::passed_through_slot(state, tensor)];
   if (slot != 0) {
     return false;
   }
   state.passed_through.push_back({tensor, false, CapturedState::kNoSinkInput});
   slot = static_cast<uint32_t>(state.passed_through.size());
   return true;
-}
-
-int64_t passed_through_index(const CapturedState& state, const Node* node) {
-  if (state.passed_through.empty() || !is_accumulate_grad(node)) {
-    return -1;
-  }
-  const auto* tensor = static_cast<const torch_private::AccumulateGrad*>(node)
-                           ->variable.unsafeGetTensorImpl();
-  return static_cast<int64_t>(
-             state.passed_through_table[find_slot(state, tensor)]) -
-      1;
 }
 
 uint32_t add_sink_input(
@@ -147,31 +113,6 @@ at::Tensor sink_alias(
   const auto input = add_sink_input(alias, state, caller_edge);
   torch_private::set_gradient_edge(alias, Edge(state.sink, input));
   return alias;
-}
-
-bool is_own_sink(const CapturedState& state, const Node* node) {
-  if (node == nullptr || node->sequence_nr() != kInputSinkSequenceNr) {
-    return false;
-  }
-  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(
-      dynamic_cast<const InputSink*>(node) != nullptr);
-  return static_cast<const InputSink*>(node)->owner() == &state;
-}
-
-int64_t sink_index(const CapturedState& state, const Edge& edge) {
-  return is_own_sink(state, edge.function.get())
-      ? static_cast<int64_t>(edge.input_nr)
-      : -1;
-}
-
-// PyTorch makes AccumulateGrad nodes with sequence number UINT64_MAX, which
-// rules out the body's nodes with one load; the type check is then one
-// comparison of type_info (a dynamic_cast walks the hierarchy, ~370
-// instructions; AccumulateGrad has no subclasses). test_autograd.cpp
-// (LeafTensorsMadeInsideAreOutputsNotEscapes) pins it.
-bool is_accumulate_grad(const Node* fn) {
-  return fn != nullptr && fn->sequence_nr() == UINT64_MAX &&
-      typeid(*fn) == typeid(torch_private::AccumulateGrad);
 }
 
 bool has_hooks(Node& fn) {

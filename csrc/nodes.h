@@ -7,7 +7,9 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
 
+#include <cstdint>
 #include <string>
+#include <typeinfo>
 #include <vector>
 
 #include "registry.h"
@@ -104,26 +106,80 @@ void reserve_passed_through(CapturedState& state, size_t n);
 // already one (one tensor passed twice): returns whether it was recorded.
 bool add_passed_through(CapturedState& state, const c10::TensorImpl* tensor);
 
+// The questions below are asked for every edge of a captured call's graph,
+// several times per edge (a module argument's call has hundreds): inline.
+
+// Whether `fn` is a leaf tensor's AccumulateGrad. PyTorch makes those with
+// sequence number UINT64_MAX, which rules out the body's nodes with one
+// load; the type check is then one comparison of type_info (a dynamic_cast
+// walks the hierarchy, ~370 instructions; AccumulateGrad has no
+// subclasses). test_autograd.cpp (LeafTensorsMadeInsideAreOutputsNotEscapes)
+// pins it.
+inline bool is_accumulate_grad(const torch::autograd::Node* fn) {
+  return fn != nullptr && fn->sequence_nr() == UINT64_MAX &&
+      typeid(*fn) == typeid(torch_private::AccumulateGrad);
+}
+
+namespace detail {
+
+// The slot of state.passed_through_table that holds `tensor`, or the empty
+// slot where it would go: open addressing, probed from the Fibonacci hash of
+// the address (the table's size is a power of two).
+inline size_t passed_through_slot(
+    const CapturedState& state,
+    const c10::TensorImpl* tensor) {
+  const auto& table = state.passed_through_table;
+  const size_t mask = table.size() - 1;
+  const auto bits = reinterpret_cast<uintptr_t>(tensor) >> 4;
+  for (size_t slot = static_cast<size_t>(bits * 0x9E3779B97F4A7C15ull) & mask;;
+       slot = (slot + 1) & mask) {
+    const uint32_t entry = table[slot];
+    if (entry == 0 || state.passed_through[entry - 1].tensor == tensor) {
+      return slot;
+    }
+  }
+}
+
+} // namespace detail
+
 // The position in state.passed_through of the input whose AccumulateGrad
 // `node` is, or -1 (any other node, or an input the function got as an
 // alias).
-int64_t passed_through_index(
+inline int64_t passed_through_index(
     const CapturedState& state,
-    const torch::autograd::Node* node);
+    const torch::autograd::Node* node) {
+  if (state.passed_through.empty() || !is_accumulate_grad(node)) {
+    return -1;
+  }
+  const auto* tensor = static_cast<const torch_private::AccumulateGrad*>(node)
+                           ->variable.unsafeGetTensorImpl();
+  return static_cast<int64_t>(
+             state.passed_through_table[detail::passed_through_slot(
+                 state, tensor)]) -
+      1;
+}
 
-// Whether `node` is the state's input sink (one load and a compare: walks of
-// a call's graph ask it for every edge, and a module argument gives a call
-// hundreds of inputs).
-bool is_own_sink(const CapturedState& state, const torch::autograd::Node* node);
+// Whether `node` is the state's input sink (one load and a compare).
+inline bool is_own_sink(
+    const CapturedState& state,
+    const torch::autograd::Node* node) {
+  if (node == nullptr || node->sequence_nr() != kInputSinkSequenceNr) {
+    return false;
+  }
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(
+      dynamic_cast<const InputSink*>(node) != nullptr);
+  return static_cast<const InputSink*>(node)->owner() == &state;
+}
 
 // The captured input an edge into the state's sink stands for, or -1 for any
 // other edge.
-int64_t sink_index(
+inline int64_t sink_index(
     const CapturedState& state,
-    const torch::autograd::Edge& edge);
-
-// Whether `fn` is a leaf tensor's AccumulateGrad.
-bool is_accumulate_grad(const torch::autograd::Node* fn);
+    const torch::autograd::Edge& edge) {
+  return is_own_sink(state, edge.function.get())
+      ? static_cast<int64_t>(edge.input_nr)
+      : -1;
+}
 
 // Whether autograd hooks sit on `fn`: the function registered them on a
 // tensor (x.register_hook, retain_grad) or on its node.
