@@ -282,6 +282,21 @@ class ModuleView:
         # What the slots hold.
         self.slot_tensors = self.tensors if self.slots_in_order else [self.tensors[i] for i in index]
 
+    def restore_structure(self, module):
+        """Puts back the submodules and dicts the walk saw where a call's
+        function assigned others (the error path of a call that replaced
+        a tensor of its module). Entries added elsewhere stay."""
+        for d, key, value in zip(self.check_dicts, self.check_keys, self.check_values):
+            owner = module.__dict__ if d is None else d
+            if owner.get(key) is not value:
+                owner[key] = value
+        n = len(self.children)
+        for d, items in zip(self.children, self.contents[len(self.contents) - n:]):
+            pairs = list(zip(items[::2], items[1::2]))
+            if len(d) != len(pairs) or any(d.get(key) is not value for key, value in pairs):
+                d.clear()
+                d.update(pairs)
+
     def unchanged(self, module, restored=None):
         """Whether `module` still has exactly what the walk saw: the same
         submodules, dicts and tensors, and nothing added. With `restored`
@@ -507,6 +522,9 @@ class _Binder:
             # module's own back. (The error path: a plain loop.)
             for d, key, tensor in zip(dicts, keys, self.old):
                 d[key] = tensor
+            # A submodule the function assigned (or a dict it replaced)
+            # goes too: the module is left as the walk saw it.
+            view.restore_structure(self.module)
 
     def check(self, leaf):
         if self.versions is not None and _tensor_versions(self.own) != self.versions:

@@ -598,17 +598,28 @@ def test_modules_the_walk_cannot_place_are_bound_by_name(monkeypatch):
 
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
 def test_a_submodule_reassigned_inside_the_leaf_is_an_error(backend):
-    torch._dynamo.reset()
-
+    # The error names the first parameter that moved, and the module is left
+    # as it was: its own submodules, in their places.
     def swaps(x, m):
         m[0] = nn.Linear(3, 3)
         return m(x)
 
-    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
-    leaf = _leaf(swaps, lambda x, m: torch.empty_like(x))
-    run = leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
-    with pytest.raises(LeafFunctionError, match=r"replaced '0\.weight' of its Sequential argument"):
-        run(torch.randn(2, 3), model)
+    def deletes(x, m):
+        del m[0]  # (Sequential renumbers: a new _modules dict)
+        return m(x)
+
+    for fn in (swaps, deletes):
+        torch._dynamo.reset()
+        model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+        first, second = model[0], model[1]
+        leaf = _leaf(fn, lambda x, m: torch.empty_like(x))
+        run = leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
+        with pytest.raises(LeafFunctionError, match=r"replaced '0\.weight' of its Sequential argument"):
+            run(torch.randn(2, 3), model)
+        assert list(model) == [first, second]
+        assert [name for name, _ in model.named_parameters()] == ["0.weight", "0.bias"]
+        assert model[0].weight is first.weight
+        assert torchleaf.live_states() == 0
 
 
 @pytest.mark.parametrize("backend", [None, *COMPILED])
