@@ -21,36 +21,38 @@ from torch import nn
 
 from . import _carriers as carriers
 from . import _export
+from ._classify import (
+    COMPILED,
+    CONSTANT_ARG,
+    FLOAT_ARG,
+    INT_ARG,
+    ITERATOR_ARG,
+    MODULE_ARG,
+    NDARRAY_ARG,
+    TENSOR_ARG,
+    classify,
+    plain,
+)
 from ._errors import LeafFunctionError
 from ._live_leaves import leaf_of
 from ._module_index import note_class
 from ._modules import HANDLE_ATTR, ModuleHandle, ModuleStructure, module_state, sight_module
 from ._outputs import traced_output, traced_result
-from ._runner import autocast_state
-from ._signature import (
+from ._plans import (
     BY_HANDLE,
-    COMPILED,
-    CONSTANT_ARG,
     FLOAT,
-    FLOAT_ARG,
     IN_FLOAT,
     IN_NDARRAY,
     IN_TENSOR,
-    INT_ARG,
     INT_BY_CODING,
-    ITERATOR_ARG,
-    MODULE_ARG,
     MODULE_KEY,
     MODULE_KINDS,
     NDARRAY,
-    NDARRAY_ARG,
     SHARED_MODULE_KEY,
     TENSOR,
-    TENSOR_ARG,
-    classify,
-    plain,
     split_module_tensors,
 )
+from ._runner import autocast_state
 from ._torch_private import (
     CONSTANT_FUNCTIONS_TAKE_OBJECTS,
     assume_constant_result,

@@ -15,9 +15,10 @@ import weakref
 import torch
 
 from . import _C
+from ._classify import EXPORTED, MODULE_ARG, TENSOR_ARG, TRACED, classify
 from ._errors import LeafFunctionError
 from ._outputs import traced_output, traced_result
-from ._signature import EXPORTED, IN_TENSOR, MODULE_ARG, TENSOR, TENSOR_ARG, TRACED, classify
+from ._plans import IN_TENSOR, TENSOR
 from ._torch_private import assume_constant_result, inductor_is_lowering, pytree
 
 _CALL_FORMAT = 1

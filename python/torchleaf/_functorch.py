@@ -30,8 +30,8 @@ from . import _C
 from . import _outputs as outputs
 from ._errors import LeafFunctionError, add_note
 from ._live_leaves import LEAVES  # Python leaves by id (their names, plans and vmap rules)
+from ._plans import IN_TENSOR, MODULE_KINDS
 from ._runner import invoke, invoke_compiled
-from ._signature import IN_TENSOR, MODULE_KINDS
 from ._torch_private import functorch as _functorch
 from ._torch_private import pytree
 

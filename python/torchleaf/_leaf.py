@@ -30,30 +30,25 @@ import torch
 from torch import nn
 
 from . import _C, _dynamo, _export, _functorch, _runner
+from ._classify import EAGER, MODULE_ARG, NDARRAY_ARG, TENSOR_ARG, TRACED, classify
 from ._errors import LeafFunctionError, function_name
 from ._live_leaves import LEAVES
 from ._module_index import remember as remember_module
 from ._modules import ModuleView, _unbound_handle, handle_of, modules_lock, own_handle
 from ._modules import module_view as _module_view
 from ._outputs import SINGLE, check_traced_outputs, decode
-from ._signature import (
-    EAGER,
+from ._plans import (
     IN_NDARRAY,
     IN_TENSOR,
-    MODULE_ARG,
     MODULE_KEY,
     NDARRAY,
-    NDARRAY_ARG,
     TENSOR,
-    TENSOR_ARG,
-    TRACED,
     EagerArguments,
     Plans,
-    Signature,
-    classify,
     positional_spec,
     split_module_tensors,
 )
+from ._signature import Signature
 from ._torch_private import dynamo_is_tracing, is_exporting, pytree
 
 # Arguments that are pytree leaves, besides tensors and modules.

@@ -13,7 +13,7 @@ from . import _outputs as outputs
 from ._caches import STABLE_IDS, fold_traced_fake
 from ._errors import LeafFunctionError, add_note
 from ._modules import call_with_module, call_with_modules, finish_found_call
-from ._signature import IN_NDARRAY, IN_TENSOR, MODULE_KINDS
+from ._plans import IN_NDARRAY, IN_TENSOR, MODULE_KINDS
 from ._torch_private import autocast_supported_devices, is_any_autocast_enabled, set_grad_enabled
 
 _Tensor = torch.Tensor
