@@ -258,13 +258,18 @@ class ModuleView:
         self.slot_dicts, self.slot_keys, self.slot_index, self.slot_names = dicts, keys, index, slot_names
         # What the C call checks after the function ran (same_entries'
         # arguments): only what decides where the structure's names lead --
-        # each module's _modules dict and the dicts that hold the slots, each
-        # still its module's and holding what it held. What a function adds
-        # elsewhere (a buffer on a module without slots) changes no name's
-        # tensor, and the next call's full check sees it. (Two thirds of the
-        # full check's work for a stack of Linears, on every call.)
+        # the _modules dicts that hold children (a module without children
+        # leads no name on) and the dicts that hold the slots, each still its
+        # module's and holding what it held. What a function adds elsewhere
+        # (a buffer on a module without slots, a child of a Linear) changes
+        # no name's tensor, and the next call's full check sees it. (A third
+        # of the full check's work for a stack of Linears, on every call.)
         contents_of = {id(d): items for d, items in zip(self.dicts, self.contents)}
-        path = list(zip(everything, itertools.repeat("_modules"), self.children))
+        path = [
+            (sub, "_modules", children)
+            for sub, children in zip(everything, self.children)
+            if contents_of[id(children)]
+        ]
         held = set()
         for d in dicts:
             if id(d) not in held:

@@ -624,14 +624,16 @@ def test_a_submodule_reassigned_inside_the_leaf_is_an_error(backend):
 
 @pytest.mark.parametrize("backend", [None, *COMPILED])
 def test_a_leaf_may_add_state_to_its_module_argument(backend):
-    # A buffer registered lazily inside the body changes no parameter the
-    # call was given: no error, and later calls take the module as it is now.
+    # A buffer or a child without parameters, added lazily inside the body,
+    # changes no parameter the call was given: no error, and later calls take
+    # the module as it is now.
     torch._dynamo.reset()
 
     def counted(m, x):
         if not hasattr(m, "calls"):
             m.register_buffer("calls", torch.zeros((), dtype=torch.int64))
-        return m(x) * 2
+            m.tap = nn.Identity()
+        return m.tap(m(x)) * 2
 
     leaf = _leaf(counted, lambda m, x: torch.empty(x.shape[0], 3, dtype=x.dtype))
     run = leaf if backend is None else torch.compile(leaf, backend=backend, fullgraph=True)
