@@ -1,7 +1,7 @@
 """What a call's argument is: the one classifier of flat arguments
 (:func:`classify`), and the modes a call is made in, which it depends on.
-Call keys and plans (_plans.py) and the compiled path (_dynamo.py) ask it;
-nothing else decides.
+Eager and traced calls (_leaf.py), compiled calls (_dynamo.py) and exported
+ones (_export.py) ask it; nothing else decides.
 """
 
 from __future__ import annotations
