@@ -643,6 +643,7 @@ def test_a_leaf_may_add_state_to_its_module_argument(backend):
     for _ in range(3):
         got = run(model, x)
         expected = model(x) * 2
+        torch.testing.assert_close(got, expected)
         for g, e in zip(torch.autograd.grad(got.sum(), [x, weight]), torch.autograd.grad(expected.sum(), [x, weight])):
             torch.testing.assert_close(g, e)
     assert [name for name, _ in model.named_buffers()] == ["calls"]
