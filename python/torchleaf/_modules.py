@@ -574,7 +574,8 @@ def call_with_module(leaf, fn, args, module, structure, own, view):
 
 def finish_found_call(leaf, module, structure, own, view, old, new, replaced, versions, failed):
     """What _C.call_found_module and _C.call_bound_module call after the
-    function ran when the module is not exactly as it was (``replaced``:
+    function ran when a name of the structure may no longer lead to its slot
+    (ModuleView.after_call_check) or a tensor changed in place (``replaced``:
     restore_entries' answer; the slots hold the module's own tensors again):
     _Binder's exit, which restores what else the function changed, and,
     unless the function ``failed`` (raised), its check, which raises the
